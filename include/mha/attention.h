@@ -1,0 +1,88 @@
+// Scaled dot-product attention on strided views.
+//
+//   out[b,h,i,:] = sum_j  drop(P)[b,h,i,j] * value[b, h/G, j, :]
+//   P[b,h,i,:]   = softmax_j( scale * <query[b,h,i,:], key[b,h/G,j,:]> + bias[b,h,i,j] )
+//                  taken over the keys j that are *visible* (see below)
+//
+// Shapes (strides are free; nothing is copied or expanded):
+//   query (B, Hq, Tq, Dqk)   key (B, Hkv, Tk, Dqk)   value (B, Hkv, Tk, Dv)   out (B, Hq, Tq, Dv)
+//   G = Hq / Hkv query heads share one key/value head (grouped-query attention; Hkv = 1 is
+//   multi-query). Query head h reads key/value head h / G, as torch's enable_gqa does.
+//
+// Visibility of key j to query i in batch b — all of these must hold:
+//   keep_mask[b,h,i,j] != 0                  (if given; broadcast to (B, Hq, Tq, Tk))
+//   j < key_lengths[b]                       (if given; keys past the length are padding)
+//   causal kTopLeft:     j <= i              (PyTorch SDPA's is_causal)
+//   causal kBottomRight: j <= i + L_b - Tq   (FlashAttention, KV-cache decoding), where
+//                        L_b = key_lengths[b] if given, else Tk: the last query sees the last key
+//   window W > 0 (needs causal): j > c - W, where c is the causal limit above: each query
+//                        sees at most W keys, itself and the W-1 before it
+// The two alignments agree when Tq == Tk and no key_lengths are given.
+// The bias is added to the scaled scores; an element with bias -inf is not counted as masked
+// but contributes exp(-inf) = 0. A row whose visible set is empty, or whose every visible score
+// is -inf, is *fully masked*: its output row is zeros and its LSE is -inf (never NaN). A finite
+// bias such as -1e9 on every key is not masking: that row is a uniform average.
+// NaN anywhere in a row's visible scores gives a NaN output row: NaN is never hidden.
+//
+// Dropout (dropout_p > 0): after the softmax, each P[b,h,i,j] is kept with probability 1-p and
+// scaled by 1/(1-p), else zeroed. The decision comes from Philox4x32-10 keyed by dropout_seed
+// and indexed by (b, h, i, j) alone, so it does not depend on threads or blocking, and a
+// backward pass regenerates it. dropout_p = 1 gives zeros. LSE is of the undropped scores.
+//
+// Optional outputs:
+//   lse     (B, Hq, Tq): log sum_j exp(score[b,h,i,j]) over visible j (natural log).
+//   weights (B, Hq, Tq, Tk) per head, or (B, Tq, Tk) averaged over the Hq heads: the attention
+//           probabilities actually applied, dropout included (as PyTorch's MultiheadAttention
+//           returns them); zeros where masked.
+#ifndef MHA_ATTENTION_H_
+#define MHA_ATTENTION_H_
+
+#include <cstdint>
+#include <optional>
+
+#include "mha/tensor.h"
+
+namespace mha {
+
+enum class Causal : uint8_t {
+  kNone,
+  kTopLeft,      // j <= i
+  kBottomRight,  // j <= i + L_b - Tq
+};
+
+// Which implementation runs: kReference is the plain double-accumulating oracle.
+enum class Backend : uint8_t { kAuto, kReference, kFast };
+
+struct AttentionInputs {
+  View<const float> query;            // (B, Hq, Tq, Dqk)
+  View<const float> key;              // (B, Hkv, Tk, Dqk)
+  View<const float> value;            // (B, Hkv, Tk, Dv)
+  View<const uint8_t> keep_mask;      // optional, broadcastable to (B, Hq, Tq, Tk); nonzero = attend
+  View<const float> bias;             // optional, broadcastable to (B, Hq, Tq, Tk); added to scores
+  View<const int32_t> key_lengths;    // optional (B,): 0 <= key_lengths[b] <= Tk
+};
+
+struct AttentionOutputs {
+  View<float> out;      // (B, Hq, Tq, Dv), required
+  View<float> lse;      // optional (B, Hq, Tq)
+  View<float> weights;  // optional (B, Hq, Tq, Tk) per head or (B, Tq, Tk) averaged over heads
+};
+
+struct AttentionOptions {
+  std::optional<float> scale;  // default 1/sqrt(Dqk)
+  Causal causal = Causal::kNone;
+  int64_t window = 0;          // 0: no sliding window
+  float dropout_p = 0.0f;      // in [0, 1]
+  uint64_t dropout_seed = 0;
+  int num_threads = 0;         // 0: all available
+  Backend backend = Backend::kAuto;
+};
+
+// Throws mha::Error naming the argument and shapes on any inconsistency. Outputs must not
+// overlap the inputs.
+void attention(const AttentionInputs& in, const AttentionOutputs& out,
+               const AttentionOptions& options = {});
+
+}  // namespace mha
+
+#endif  // MHA_ATTENTION_H_

@@ -1,0 +1,153 @@
+// MultiHeadAttention: projections + attention + output projection, covering PyTorch's
+// nn.MultiheadAttention and the three seed modules (GPT-style masked self-attention,
+// BERT-style attention returning its weights, and dim_in/dim_k/dim_v self-attention).
+//
+//   Q = query · Wqᵀ + bq      (B, Tq, qk_dim)  split into Hq heads of qk_dim/Hq
+//   K = key   · Wkᵀ + bk      (B, Tk, Hkv·qk_dim/Hq)
+//   V = value · Wvᵀ + bv      (B, Tk, v_dim·Hkv/Hq) split into Hkv heads of v_dim/Hq
+//   A = attention(Q, K, V)    (B, Tq, v_dim) heads merged   (see mha/attention.h)
+//   Y = A · Woᵀ + bo          (B, Tq, out_dim)              (or Y = A without out_proj)
+//
+// Self-attention (no key/value given, or key and value are the query itself) computes Q, K
+// and V with one GEMM over the packed weight [Wq; Wk; Wv]. Layouts are batch-first (B, T, E)
+// unless config.batch_first is false, then (T, B, E) as PyTorch's default.
+//
+// Masks, with the conventions spelled out because libraries disagree:
+//   keep_mask        nonzero = attend (SDPA's / seed 002's polarity; PyTorch MHA's bool
+//                    attn_mask is the opposite), broadcastable to (B, Hq, Tq, Tk)
+//   attn_bias        float, added to the scaled scores, broadcastable to (B, Hq, Tq, Tk)
+//   key_padding_mask (B, Tk), nonzero = padding (PyTorch's polarity)
+//   key_lengths      (B,), keys at or past the length are padding
+// A query row with no visible key returns zeros (PyTorch's MHA returns NaN there).
+//
+// Thread safety: forward() is const and may be called from many threads at once on one module.
+// Changing weights or settings while a forward runs is a data race.
+#ifndef MHA_MULTI_HEAD_ATTENTION_H_
+#define MHA_MULTI_HEAD_ATTENTION_H_
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mha/attention.h"
+#include "mha/safetensors.h"
+#include "mha/tensor.h"
+
+namespace mha {
+
+struct MultiHeadAttentionConfig {
+  int64_t embed_dim = 0;      // E: width of the query input
+  int64_t num_heads = 1;      // Hq
+  int64_t num_kv_heads = 0;   // Hkv, dividing Hq (0: Hq). Fewer than Hq is GQA; 1 is MQA.
+  int64_t kdim = 0;           // width of the key input (0: E)
+  int64_t vdim = 0;           // width of the value input (0: E)
+  int64_t qk_dim = 0;         // query projection width over all heads (0: E)
+  int64_t v_dim = 0;          // value width over all query heads, the merged output (0: E)
+  int64_t out_dim = 0;        // output projection width (0: E); unused without out_proj
+  bool bias = true;           // biases on the projections
+  bool out_proj = true;       // false: no output projection (seed 003), output width v_dim
+  float attn_dropout = 0.0f;  // dropout on attention probabilities, in training mode only
+  float out_dropout = 0.0f;   // dropout on the output, in training mode only (seed 000)
+  Causal causal = Causal::kNone;
+  int64_t max_seq_len = 0;    // 0: unlimited; else Tq or Tk above it is an error (block_size)
+  bool batch_first = true;    // (B, T, E); false: (T, B, E)
+};
+
+struct MhaInputs {
+  View<const float> query;             // (B, Tq, E)
+  View<const float> key;               // (B, Tk, kdim); not given: self-attention
+  View<const float> value;             // (B, Tk, vdim); not given: self-attention
+  View<const uint8_t> keep_mask;       // optional, nonzero = attend
+  View<const float> attn_bias;         // optional, added to scores
+  View<const uint8_t> key_padding_mask;  // optional (B, Tk), nonzero = padding
+  View<const int32_t> key_lengths;     // optional (B,)
+  bool need_weights = false;           // also return the attention weights
+  bool average_weights = true;         // (B, Tq, Tk) averaged over heads, else (B, Hq, Tq, Tk)
+  std::optional<uint64_t> dropout_seed;  // training: the seed of this call (default: the next
+                                         // from the module's counter)
+};
+
+struct MhaOutput {
+  Tensor output;   // (B, Tq, out_dim) or (Tq, B, out_dim) when not batch_first
+  Tensor weights;  // if need_weights
+};
+
+// What load_state_dict found.
+struct LoadReport {
+  std::string layout;                 // e.g. "nn.MultiheadAttention (in_proj_weight)"
+  std::vector<std::string> used;      // names read
+  std::vector<std::string> ignored;   // names present but not weights of this module
+  std::vector<std::string> converted; // names converted to float32 from another dtype
+};
+
+class MultiHeadAttention {
+ public:
+  // Weights are initialised as nn.Linear does (uniform in ±1/sqrt(fan_in)) from `seed`.
+  explicit MultiHeadAttention(const MultiHeadAttentionConfig& config, uint64_t seed = 0);
+  MultiHeadAttention(MultiHeadAttention&& other) noexcept;
+  MultiHeadAttention(const MultiHeadAttention&) = delete;
+  MultiHeadAttention& operator=(const MultiHeadAttention&) = delete;
+
+  // Infers the configuration (widths, head dims, kv heads, bias, output projection) from the
+  // weights' names and shapes; `base` supplies num_heads and the non-weight settings.
+  static MultiHeadAttention from_state_dict(const StateDict& weights, const MultiHeadAttentionConfig& base,
+                                            LoadReport* report = nullptr, const std::string& prefix = "");
+
+  // Copies weights in; names and shapes must match this module (see docs/weights.md).
+  LoadReport load_state_dict(const StateDict& weights, const std::string& prefix = "");
+  // nn.MultiheadAttention's names when they can express this module, else q_proj/k_proj/...
+  StateDict state_dict() const;
+
+  MhaOutput forward(const MhaInputs& inputs) const;
+
+  const MultiHeadAttentionConfig& config() const { return config_; }
+  int64_t head_dim_qk() const { return config_.qk_dim / config_.num_heads; }
+  int64_t head_dim_v() const { return config_.v_dim / config_.num_heads; }
+  int64_t output_dim() const { return config_.out_proj ? config_.out_dim : config_.v_dim; }
+
+  void train(bool on = true) { training_ = on; }
+  bool training() const { return training_; }
+  void set_backend(Backend backend) { backend_ = backend; }
+  void set_num_threads(int n) { num_threads_ = n; }
+  void set_seed(uint64_t seed) { seed_ = seed; }
+
+  // Parameters, PyTorch layout: weight (out, in), bias (out). Bias views are empty (rank 0)
+  // for a projection without bias.
+  enum Proj { kQ = 0, kK = 1, kV = 2, kOut = 3 };
+  View<float> weight(Proj p);
+  View<const float> weight(Proj p) const;
+  View<float> bias(Proj p);
+  View<const float> bias(Proj p) const;
+  bool has_bias(Proj p) const { return has_bias_[p]; }
+
+ private:
+  struct Dims {
+    int64_t rows[4];  // output rows of q, k, v, out
+    int64_t cols[4];  // input widths of q, k, v, out
+  };
+  Dims dims() const;
+  bool packed() const { return config_.kdim == config_.embed_dim && config_.vdim == config_.embed_dim; }
+
+  MultiHeadAttentionConfig config_;
+  // q, k and v weights back to back: exactly the packed (Rq + Rk + Rv, E) matrix when
+  // kdim == vdim == E, else three matrices of their own widths.
+  Tensor in_weight_;
+  Tensor in_bias_;   // (Rq + Rk + Rv); zeros where a projection has no bias
+  Tensor out_weight_, out_bias_;
+  bool has_bias_[4] = {false, false, false, false};
+  bool training_ = false;
+  Backend backend_ = Backend::kAuto;
+  int num_threads_ = 0;
+  uint64_t seed_ = 0;
+  mutable std::atomic<uint64_t> calls_{0};
+};
+
+// Fills a config's zero (= default) fields from the others; throws mha::Error naming the field
+// when dims are inconsistent (not positive, heads not dividing widths, ...).
+MultiHeadAttentionConfig resolve_config(const MultiHeadAttentionConfig& config);
+
+}  // namespace mha
+
+#endif  // MHA_MULTI_HEAD_ATTENTION_H_

@@ -1,0 +1,67 @@
+// The one parameter struct every attention kernel takes: raw pointers and element strides,
+// with masks already resolved to 4-D broadcast strides (0 where a mask dimension is 1).
+// The op layer (src/ops/attention.cc) fills it after checking every argument, so kernels
+// trust it and never throw.
+#ifndef MHA_KERNELS_ATTENTION_PARAMS_H_
+#define MHA_KERNELS_ATTENTION_PARAMS_H_
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+#include "mha/attention.h"
+
+namespace mha::kernels {
+
+using Strides4 = std::array<int64_t, 4>;  // (batch, head, row, column) in elements
+
+struct AttentionParams {
+  int64_t batch = 0, q_heads = 0, kv_heads = 0;
+  int64_t q_len = 0, kv_len = 0;
+  int64_t qk_dim = 0, v_dim = 0;
+
+  const float* q = nullptr;  Strides4 q_stride{};   // (B, Hq, Tq, Dqk)
+  const float* k = nullptr;  Strides4 k_stride{};   // (B, Hkv, Tk, Dqk)
+  const float* v = nullptr;  Strides4 v_stride{};   // (B, Hkv, Tk, Dv)
+
+  const uint8_t* keep = nullptr;  Strides4 keep_stride{};  // nonzero = attend
+  const float* bias = nullptr;    Strides4 bias_stride{};
+  const int32_t* key_lengths = nullptr;  int64_t key_lengths_stride = 0;
+
+  float scale = 1.0f;
+  Causal causal = Causal::kNone;
+  int64_t window = 0;
+  float dropout_p = 0.0f;
+  uint64_t dropout_seed = 0;
+
+  float* out = nullptr;      Strides4 out_stride{};     // (B, Hq, Tq, Dv)
+  float* lse = nullptr;      Strides4 lse_stride{};     // (B, Hq, Tq), last entry unused
+  float* weights = nullptr;  Strides4 weights_stride{}; // (B, Hq, Tq, Tk); head stride 0 if averaged
+  bool weights_averaged = false;
+
+  int64_t group() const { return q_heads / kv_heads; }
+  int64_t key_length(int64_t b) const {
+    return key_lengths ? key_lengths[b * key_lengths_stride] : kv_len;
+  }
+};
+
+// The keys [lo, hi) that causal alignment, the window and key_lengths leave visible to query
+// row i of batch b (keep_mask and bias still apply inside). Empty when hi <= lo.
+struct KeyRange {
+  int64_t lo, hi;
+};
+
+inline KeyRange visible_keys(const AttentionParams& p, int64_t b, int64_t i) {
+  const int64_t len = p.key_length(b);
+  int64_t lo = 0, hi = len;
+  if (p.causal != Causal::kNone) {
+    const int64_t last = i + (p.causal == Causal::kBottomRight ? len - p.q_len : 0);
+    hi = std::min(hi, last + 1);
+    if (p.window > 0) lo = std::max<int64_t>(0, last - p.window + 1);
+  }
+  return {lo, std::max(lo, hi)};
+}
+
+}  // namespace mha::kernels
+
+#endif  // MHA_KERNELS_ATTENTION_PARAMS_H_

@@ -1,0 +1,211 @@
+#include "ops/attention_params.h"
+
+#include <cmath>
+#include <vector>
+
+#include "util/check.h"
+
+namespace mha::ops {
+namespace {
+
+using kernels::Strides4;
+
+template <typename T>
+Strides4 strides_of(const View<T>& v) {
+  return {v.stride[0], v.stride[1], v.stride[2], v.stride[3]};
+}
+
+// [first, last] byte addresses a view touches; empty views touch nothing.
+struct Extent {
+  const char* lo = nullptr;
+  const char* hi = nullptr;
+  bool empty = true;
+};
+
+template <typename T>
+Extent extent_of(const View<T>& v) {
+  Extent e;
+  if (!v.given() || v.numel() == 0) return e;
+  int64_t lo = 0, hi = 0;
+  for (int i = 0; i < v.rank; ++i) {
+    const int64_t span = (v.shape[i] - 1) * v.stride[i];
+    (span < 0 ? lo : hi) += span;
+  }
+  e.lo = reinterpret_cast<const char*>(v.data + lo);
+  e.hi = reinterpret_cast<const char*>(v.data + hi) + sizeof(T) - 1;
+  e.empty = false;
+  return e;
+}
+
+bool overlaps(const Extent& a, const Extent& b) {
+  return !a.empty && !b.empty && a.lo <= b.hi && b.lo <= a.hi;
+}
+
+template <typename T>
+void check_data(const View<T>& v, const char* name) {
+  MHA_CHECK(v.numel() == 0 || v.data != nullptr, "attention: {} {} has a null data pointer", name,
+            shape_string(v));
+}
+
+void check_rank(int rank, int wanted, const int64_t* shape, const char* name, const char* layout) {
+  MHA_CHECK(rank == wanted, "attention: {} must be {}-D {}; got {}", name, wanted, layout,
+            shape_string(shape, rank));
+}
+
+}  // namespace
+
+template <typename T>
+Strides4 broadcast_strides(const View<T>& mask, const int64_t (&target)[4], const char* name) {
+  MHA_CHECK(mask.rank >= 1 && mask.rank <= 4,
+            "attention: {} must have 1 to 4 dimensions to broadcast to {}; got {}", name,
+            shape_string(target, 4), shape_string(mask));
+  Strides4 s{0, 0, 0, 0};
+  const int shift = 4 - mask.rank;
+  for (int i = 0; i < mask.rank; ++i) {
+    const int64_t want = target[shift + i];
+    const int64_t have = mask.shape[i];
+    MHA_CHECK(have == want || have == 1,
+              "attention: {} of shape {} does not broadcast to (B, Hq, Tq, Tk) = {}: dimension {} is "
+              "{}, expected {} or 1",
+              name, shape_string(mask), shape_string(target, 4), i, have, want);
+    s[shift + i] = have == 1 ? 0 : mask.stride[i];
+  }
+  return s;
+}
+
+template Strides4 broadcast_strides(const View<const uint8_t>&, const int64_t (&)[4], const char*);
+template Strides4 broadcast_strides(const View<const float>&, const int64_t (&)[4], const char*);
+
+kernels::AttentionParams make_attention_params(const AttentionInputs& in,
+                                               const AttentionOutputs& out,
+                                               const AttentionOptions& options) {
+  const auto& q = in.query;
+  const auto& k = in.key;
+  const auto& v = in.value;
+  check_rank(q.rank, 4, q.shape.data(), "query", "(B, Hq, Tq, Dqk)");
+  check_rank(k.rank, 4, k.shape.data(), "key", "(B, Hkv, Tk, Dqk)");
+  check_rank(v.rank, 4, v.shape.data(), "value", "(B, Hkv, Tk, Dv)");
+  const std::string shapes = fmt::format("(query {}, key {}, value {})", shape_string(q),
+                                         shape_string(k), shape_string(v));
+  MHA_CHECK(k.shape[0] == q.shape[0] && v.shape[0] == q.shape[0],
+            "attention: query, key and value must have the same batch size {}", shapes);
+  MHA_CHECK(k.shape[1] == v.shape[1], "attention: key and value must have the same number of heads {}",
+            shapes);
+  MHA_CHECK(k.shape[2] == v.shape[2], "attention: key and value must have the same length {}", shapes);
+  MHA_CHECK(k.shape[3] == q.shape[3], "attention: query and key must have the same head dim {}", shapes);
+  MHA_CHECK(q.shape[3] >= 1, "attention: the query/key head dim must be at least 1 {}", shapes);
+  MHA_CHECK(k.shape[1] >= 1, "attention: key and value need at least one head {}", shapes);
+  MHA_CHECK(q.shape[1] % k.shape[1] == 0,
+            "attention: key has {} heads, which does not divide query's {} heads {}", k.shape[1],
+            q.shape[1], shapes);
+  check_data(q, "query");
+  check_data(k, "key");
+  check_data(v, "value");
+
+  kernels::AttentionParams p;
+  p.batch = q.shape[0];
+  p.q_heads = q.shape[1];
+  p.kv_heads = k.shape[1];
+  p.q_len = q.shape[2];
+  p.kv_len = k.shape[2];
+  p.qk_dim = q.shape[3];
+  p.v_dim = v.shape[3];
+  p.q = q.data;
+  p.k = k.data;
+  p.v = v.data;
+  p.q_stride = strides_of(q);
+  p.k_stride = strides_of(k);
+  p.v_stride = strides_of(v);
+  const int64_t target[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
+
+  if (in.keep_mask.given()) {
+    p.keep_stride = broadcast_strides(in.keep_mask, target, "keep_mask");
+    check_data(in.keep_mask, "keep_mask");
+    p.keep = in.keep_mask.data;
+  }
+  if (in.bias.given()) {
+    p.bias_stride = broadcast_strides(in.bias, target, "bias");
+    check_data(in.bias, "bias");
+    p.bias = in.bias.data;
+  }
+  if (in.key_lengths.given()) {
+    const auto& len = in.key_lengths;
+    MHA_CHECK(len.rank == 1 && len.shape[0] == p.batch,
+              "attention: key_lengths must have shape (B,) = ({},); got {}", p.batch, shape_string(len));
+    check_data(len, "key_lengths");
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int32_t l = len.data[b * len.stride[0]];
+      MHA_CHECK(l >= 0 && l <= p.kv_len, "attention: key_lengths[{}] = {} is outside [0, Tk = {}]", b, l,
+                p.kv_len);
+    }
+    p.key_lengths = len.data;
+    p.key_lengths_stride = len.stride[0];
+  }
+
+  p.scale = options.scale ? *options.scale : 1.0f / std::sqrt(static_cast<float>(p.qk_dim));
+  MHA_CHECK(std::isfinite(p.scale), "attention: scale must be finite; got {}", p.scale);
+  MHA_CHECK(options.dropout_p >= 0.0f && options.dropout_p <= 1.0f,
+            "attention: dropout_p must be in [0, 1]; got {}", options.dropout_p);
+  MHA_CHECK(options.window >= 0, "attention: window must be >= 0; got {}", options.window);
+  MHA_CHECK(options.window == 0 || options.causal != Causal::kNone,
+            "attention: a sliding window (window = {}) needs causal masking", options.window);
+  MHA_CHECK(options.num_threads >= 0, "attention: num_threads must be >= 0; got {}", options.num_threads);
+  p.causal = options.causal;
+  p.window = options.window;
+  p.dropout_p = options.dropout_p;
+  p.dropout_seed = options.dropout_seed;
+
+  // Outputs.
+  const auto& o = out.out;
+  MHA_CHECK(o.given(), "attention: out is required");
+  MHA_CHECK(o.rank == 4 && o.shape[0] == p.batch && o.shape[1] == p.q_heads && o.shape[2] == p.q_len &&
+                o.shape[3] == p.v_dim,
+            "attention: out must have shape (B, Hq, Tq, Dv) = {}; got {}",
+            shape_string(std::vector<int64_t>{p.batch, p.q_heads, p.q_len, p.v_dim}.data(), 4),
+            shape_string(o));
+  check_data(o, "out");
+  p.out = o.data;
+  p.out_stride = strides_of(o);
+  if (out.lse.given()) {
+    const auto& l = out.lse;
+    MHA_CHECK(l.rank == 3 && l.shape[0] == p.batch && l.shape[1] == p.q_heads && l.shape[2] == p.q_len,
+              "attention: lse must have shape (B, Hq, Tq) = ({}, {}, {}); got {}", p.batch, p.q_heads,
+              p.q_len, shape_string(l));
+    check_data(l, "lse");
+    p.lse = l.data;
+    p.lse_stride = {l.stride[0], l.stride[1], l.stride[2], 0};
+  }
+  if (out.weights.given()) {
+    const auto& w = out.weights;
+    const bool per_head = w.rank == 4 && w.shape[0] == p.batch && w.shape[1] == p.q_heads &&
+                          w.shape[2] == p.q_len && w.shape[3] == p.kv_len;
+    const bool averaged =
+        w.rank == 3 && w.shape[0] == p.batch && w.shape[1] == p.q_len && w.shape[2] == p.kv_len;
+    MHA_CHECK(per_head || averaged,
+              "attention: weights must have shape (B, Hq, Tq, Tk) = ({}, {}, {}, {}) or, averaged over "
+              "heads, (B, Tq, Tk) = ({}, {}, {}); got {}",
+              p.batch, p.q_heads, p.q_len, p.kv_len, p.batch, p.q_len, p.kv_len, shape_string(w));
+    check_data(w, "weights");
+    p.weights = w.data;
+    p.weights_averaged = averaged;
+    p.weights_stride = averaged ? Strides4{w.stride[0], 0, w.stride[1], w.stride[2]} : strides_of(w);
+  }
+
+  // Outputs may not overlap inputs or each other.
+  const Extent inputs[] = {extent_of(q), extent_of(k), extent_of(v), extent_of(in.keep_mask),
+                           extent_of(in.bias), extent_of(in.key_lengths)};
+  const char* input_names[] = {"query", "key", "value", "keep_mask", "bias", "key_lengths"};
+  const Extent outputs[] = {extent_of(o), extent_of(out.lse), extent_of(out.weights)};
+  const char* output_names[] = {"out", "lse", "weights"};
+  for (int a = 0; a < 3; ++a) {
+    for (int b = 0; b < 6; ++b)
+      MHA_CHECK(!overlaps(outputs[a], inputs[b]), "attention: output {} overlaps input {}",
+                output_names[a], input_names[b]);
+    for (int b = a + 1; b < 3; ++b)
+      MHA_CHECK(!overlaps(outputs[a], outputs[b]), "attention: outputs {} and {} overlap",
+                output_names[a], output_names[b]);
+  }
+  return p;
+}
+
+}  // namespace mha::ops

@@ -1,0 +1,23 @@
+// Checks the public attention arguments and turns them into kernels::AttentionParams.
+#ifndef MHA_OPS_ATTENTION_PARAMS_H_
+#define MHA_OPS_ATTENTION_PARAMS_H_
+
+#include "kernels/attention_params.h"
+#include "mha/attention.h"
+
+namespace mha::ops {
+
+// Throws mha::Error naming the argument and shapes on any inconsistency (see attention.h).
+kernels::AttentionParams make_attention_params(const AttentionInputs& in,
+                                               const AttentionOutputs& out,
+                                               const AttentionOptions& options);
+
+// Strides that broadcast a mask of rank <= 4 against `target` (B, Hq, Tq, Tk), right-aligned:
+// each mask dimension must equal the target's or be 1 (stride 0). `name` is used in errors.
+template <typename T>
+kernels::Strides4 broadcast_strides(const View<T>& mask, const int64_t (&target)[4],
+                                    const char* name);
+
+}  // namespace mha::ops
+
+#endif  // MHA_OPS_ATTENTION_PARAMS_H_

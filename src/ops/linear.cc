@@ -1,0 +1,76 @@
+#include "ops/linear.h"
+
+#include <omp.h>
+#include <oneapi/dnnl/dnnl.h>
+
+#include <algorithm>
+
+#include "util/check.h"
+#include "util/parallel.h"
+
+namespace mha::ops {
+namespace {
+
+// Output tile sizes. Large enough that packing is a small fraction of each sgemm, small
+// enough that two threads share even the seed-sized projections.
+constexpr int64_t kTileRows = 256;
+constexpr int64_t kTileCols = 256;
+
+// oneDNN (OpenMP runtime) sizes its team by omp_get_max_threads(); pin it to 1 for the call.
+class SingleThreadedBlas {
+ public:
+  SingleThreadedBlas() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~SingleThreadedBlas() { omp_set_num_threads(saved_); }
+
+ private:
+  int saved_;
+};
+
+void check_shapes(const RowMatrix& x, const RowMatrix& w) {
+  MHA_CHECK(x.cols == w.cols, "linear: input has {} columns but the weight expects {} (weight ({}, {}))",
+            x.cols, w.cols, w.rows, w.cols);
+}
+
+}  // namespace
+
+void linear(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads) {
+  check_shapes(x, w);
+  const int64_t M = x.rows, N = w.rows, K = x.cols;
+  if (M == 0 || N == 0) return;
+  const int64_t tiles_m = (M + kTileRows - 1) / kTileRows;
+  const int64_t tiles_n = (N + kTileCols - 1) / kTileCols;
+  parallel_for(tiles_m * tiles_n, num_threads, [&](int64_t t) {
+    const int64_t m0 = (t / tiles_n) * kTileRows, n0 = (t % tiles_n) * kTileCols;
+    const int64_t m = std::min(kTileRows, M - m0), n = std::min(kTileCols, N - n0);
+    float* c = y + m0 * ldy + n0;
+    for (int64_t r = 0; r < m; ++r) {
+      float* row = c + r * ldy;
+      if (bias) {
+        std::copy(bias + n0, bias + n0 + n, row);
+      } else {
+        std::fill(row, row + n, 0.0f);
+      }
+    }
+    if (K == 0) return;
+    SingleThreadedBlas single;
+    const dnnl_status_t status =
+        dnnl_sgemm('N', 'T', m, n, K, 1.0f, x.data + m0 * x.row_stride, x.row_stride,
+                   w.data + n0 * w.row_stride, w.row_stride, 1.0f, c, ldy);
+    if (status != dnnl_success) throw Error(fmt::format("linear: dnnl_sgemm failed (status {})", status));
+  });
+}
+
+void linear_ref(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads) {
+  check_shapes(x, w);
+  parallel_for(x.rows, num_threads, [&](int64_t r) {
+    const float* xr = x.data + r * x.row_stride;
+    for (int64_t o = 0; o < w.rows; ++o) {
+      const float* wr = w.data + o * w.row_stride;
+      double acc = bias ? bias[o] : 0.0;
+      for (int64_t i = 0; i < x.cols; ++i) acc += static_cast<double>(xr[i]) * wr[i];
+      y[r * ldy + o] = static_cast<float>(acc);
+    }
+  });
+}
+
+}  // namespace mha::ops

@@ -1,0 +1,148 @@
+#include "mha/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "util/fp16.h"
+
+namespace mha {
+
+std::string shape_string(const int64_t* shape, int rank) {
+  if (rank == 0) return "(not given)";
+  std::string s = "(";
+  for (int i = 0; i < rank; ++i) s += fmt::format(i ? ", {}" : "{}", shape[i]);
+  if (rank == 1) s += ",";
+  return s + ")";
+}
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kF64:
+    case DType::kI64:
+      return 8;
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kF16:
+    case DType::kBF16:
+    case DType::kI16:
+      return 2;
+    case DType::kBool:
+    case DType::kU8:
+    case DType::kI8:
+      return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "F32";
+    case DType::kF64: return "F64";
+    case DType::kF16: return "F16";
+    case DType::kBF16: return "BF16";
+    case DType::kBool: return "BOOL";
+    case DType::kU8: return "U8";
+    case DType::kI8: return "I8";
+    case DType::kI16: return "I16";
+    case DType::kI32: return "I32";
+    case DType::kI64: return "I64";
+  }
+  return "?";
+}
+
+void Tensor::FreeAligned::operator()(std::byte* p) const { std::free(p); }
+
+Tensor::Tensor(DType dtype, std::vector<int64_t> shape)
+    : defined_(true), dtype_(dtype), shape_(std::move(shape)) {
+  int64_t n = 1;
+  for (int64_t d : shape_) {
+    if (d < 0) throw Error("Tensor: negative dimension in shape " + shape_string(shape_.data(), rank()));
+    if (d != 0 && n > (int64_t{1} << 46) / d)
+      throw Error("Tensor: shape " + shape_string(shape_.data(), rank()) + " is too large");
+    n *= d;
+  }
+  // Round up to a whole cache line; at least one line so raw() is never null.
+  size_t bytes = static_cast<size_t>(n) * dtype_size(dtype);
+  size_t padded = (bytes + 63) / 64 * 64 + 64;
+  void* p = std::aligned_alloc(64, padded);
+  if (p == nullptr) throw Error(fmt::format("Tensor: cannot allocate {} bytes", padded));
+  std::memset(p, 0, padded);
+  storage_.reset(static_cast<std::byte*>(p));
+}
+
+int64_t Tensor::numel() const {
+  if (!defined_) return 0;
+  int64_t n = 1;
+  for (int64_t d : shape_) n *= d;
+  return n;
+}
+
+void Tensor::CheckDType(DType wanted) const {
+  if (!defined_) throw Error("Tensor: access to an undefined tensor");
+  bool ok = dtype_ == wanted || (wanted == DType::kU8 && dtype_ == DType::kBool);
+  if (!ok)
+    throw Error(fmt::format("Tensor: dtype is {}, accessed as {}", dtype_name(dtype_),
+                            dtype_name(wanted)));
+}
+
+Tensor Tensor::clone() const {
+  if (!defined_) return Tensor();
+  Tensor t(dtype_, shape_);
+  std::memcpy(t.raw(), raw(), nbytes());
+  return t;
+}
+
+Tensor Tensor::reshaped(std::vector<int64_t> shape) const {
+  Tensor t(dtype_, std::move(shape));
+  if (t.numel() != numel())
+    throw Error("Tensor::reshaped: " + shape_string(shape_.data(), rank()) + " cannot become " +
+                shape_string(t.shape_.data(), t.rank()));
+  std::memcpy(t.raw(), raw(), nbytes());
+  return t;
+}
+
+Tensor Tensor::to_f32() const {
+  Tensor t(DType::kF32, shape_);
+  float* out = t.data<float>();
+  const int64_t n = numel();
+  switch (dtype_) {
+    case DType::kF32:
+      std::memcpy(out, raw(), nbytes());
+      break;
+    case DType::kF64:
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(data<double>()[i]);
+      break;
+    case DType::kF16: {
+      const auto* in = static_cast<const uint16_t*>(raw());
+      for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(in[i]);
+      break;
+    }
+    case DType::kBF16: {
+      const auto* in = static_cast<const uint16_t*>(raw());
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
+      break;
+    }
+    default:
+      throw Error(fmt::format("Tensor::to_f32: dtype {} is not a floating type", dtype_name(dtype_)));
+  }
+  return t;
+}
+
+Tensor to_tensor(const View<const float>& v) {
+  std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.rank);
+  Tensor t(DType::kF32, shape);
+  float* out = t.data<float>();
+  const int64_t d0 = v.rank > 0 ? v.shape[0] : 1, d1 = v.rank > 1 ? v.shape[1] : 1;
+  const int64_t d2 = v.rank > 2 ? v.shape[2] : 1, d3 = v.rank > 3 ? v.shape[3] : 1;
+  int64_t n = 0;
+  for (int64_t a = 0; a < d0; ++a)
+    for (int64_t b = 0; b < d1; ++b)
+      for (int64_t c = 0; c < d2; ++c)
+        for (int64_t d = 0; d < d3; ++d) out[n++] = v.at(a, b, c, d);
+  return t;
+}
+
+}  // namespace mha

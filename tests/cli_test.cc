@@ -1,0 +1,117 @@
+// The `mha` command: forward round trips on every parity case, and one-line errors.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "mha/safetensors.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+struct Result {
+  int status;
+  std::string output;  // stdout and stderr
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(MHA_CLI) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  Result r{-1, ""};
+  if (!pipe) return r;
+  std::array<char, 512> buf;
+  while (fgets(buf.data(), buf.size(), pipe)) r.output += buf.data();
+  const int status = pclose(pipe);
+  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string temp_path(const std::string& name) { return std::string(MHA_TEST_TMP) + "/" + name; }
+
+TEST(Cli, ForwardRoundTripsEveryParityCase) {
+  const std::string root = std::string(MHA_TEST_DATA) + "/parity";
+  std::ifstream f(root + "/manifest.json");
+  const auto manifest = nlohmann::json::parse(f);
+  for (const auto& c : manifest["cases"]) {
+    const std::string name = c["name"], dir = root + "/" + name;
+    SCOPED_TRACE(name);
+    std::string args = "forward --weights " + dir + "/weights.safetensors --input " + dir +
+                       "/inputs.safetensors --output " + temp_path(name + ".out.safetensors") +
+                       " --heads " + std::to_string(c["heads"].get<int>());
+    if (c.value("causal", "") == "top-left") args += " --causal";
+    if (c.value("need_weights", false)) args += " --need-weights";
+    if (c.value("average_weights", false)) args += " --average-weights";
+    if (c.value("seq_first", false)) args += " --seq-first";
+    const Result r = run(args);
+    ASSERT_EQ(r.status, 0) << r.output;
+    const SafetensorsFile got = read_safetensors(temp_path(name + ".out.safetensors"));
+    const SafetensorsFile want = read_safetensors(dir + "/expected.safetensors");
+    if (c.contains("fully_masked_batches")) continue;  // NaN in torch; checked in parity_test
+    const double err = rel_error(got.tensors.at("output").view<float>(), want.tensors.at("output").view<float>());
+    EXPECT_LE(err, 1e-5);
+    double werr = -1;
+    if (want.tensors.count("attn_weights")) {
+      werr = rel_error(got.tensors.at("attn_weights").view<float>(), want.tensors.at("attn_weights").view<float>());
+      EXPECT_LE(werr, 1e-5);
+    }
+    std::printf("cli round trip %-26s output rel err %.2e  weights rel err %.2e\n", name.c_str(), err, werr);
+  }
+}
+
+// Exit status 1 and a single line "mha: error: ..." mentioning `words`.
+void expect_cli_error(const std::string& args, const std::string& words) {
+  const Result r = run(args);
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find(words), std::string::npos) << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+}
+
+TEST(Cli, BadInputIsAOneLineError) {
+  const std::string dir = std::string(MHA_TEST_DATA) + "/parity/torch_mha_self";
+  const std::string w = " --weights " + dir + "/weights.safetensors";
+  const std::string in = " --input " + dir + "/inputs.safetensors";
+  const std::string out = " --output " + temp_path("err.safetensors");
+  expect_cli_error("forward --weights /nonexistent.safetensors" + in + out + " --heads 4", "cannot open");
+  expect_cli_error("forward" + w + in + out + " --heads 5", "not divisible by num_heads = 5");
+  expect_cli_error("forward --weights " + dir + "/inputs.safetensors" + in + out + " --heads 4",
+                   "no attention weights recognised");
+
+  // An input file with an unknown name, and one with a wrong dtype.
+  StateDict bad;
+  bad.emplace("x", Tensor(DType::kF32, {1, 2, 32}));
+  bad.emplace("mask", Tensor(DType::kU8, {2, 2}));
+  write_safetensors(temp_path("unknown.safetensors"), bad);
+  expect_cli_error("forward" + w + " --input " + temp_path("unknown.safetensors") + out + " --heads 4",
+                   "unknown tensor 'mask'");
+  StateDict f64;
+  f64.emplace("x", Tensor(DType::kF64, {1, 2, 32}));
+  write_safetensors(temp_path("f64.safetensors"), f64);
+  expect_cli_error("forward" + w + " --input " + temp_path("f64.safetensors") + out + " --heads 4", "dtype F64");
+
+  // An empty file and a truncated one.
+  std::ofstream(temp_path("empty.safetensors")).close();
+  expect_cli_error("forward" + w + " --input " + temp_path("empty.safetensors") + out + " --heads 4", "too short");
+  {
+    std::ifstream src(dir + "/inputs.safetensors", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(src)), std::istreambuf_iterator<char>());
+    std::ofstream(temp_path("truncated.safetensors"), std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  }
+  expect_cli_error("forward" + w + " --input " + temp_path("truncated.safetensors") + out + " --heads 4",
+                   "safetensors");
+}
+
+TEST(Cli, DemoRuns) {
+  const Result r = run("demo --threads 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* shape : {"(10, 10, 768)", "(2, 8, 10, 10)", "(4, 12, 40)", "(4, 12, 96)"})
+    EXPECT_NE(r.output.find(shape), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace mha::test

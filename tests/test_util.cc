@@ -1,0 +1,143 @@
+#include "test_util.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+namespace mha::test {
+
+uint64_t base_seed() {
+  const char* s = std::getenv("MHA_TEST_SEED");
+  return s ? std::strtoull(s, nullptr, 10) : 20261130ull;
+}
+
+uint64_t Rng::next() {
+  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+double Rng::uniform() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }
+
+float Rng::normal() {
+  const double u1 = uniform() + 1e-300, u2 = uniform();
+  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}
+
+int64_t Rng::range(int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(next() % (hi - lo + 1)); }
+
+Tensor random_tensor(Rng& rng, std::vector<int64_t> shape, float scale) {
+  Tensor t(DType::kF32, std::move(shape));
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = scale * rng.normal();
+  return t;
+}
+
+Tensor random_mask(Rng& rng, std::vector<int64_t> shape, double keep_probability) {
+  Tensor t(DType::kU8, std::move(shape));
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<uint8_t>()[i] = rng.coin(keep_probability);
+  return t;
+}
+
+namespace {
+template <typename F>
+void for_each(const View<const float>& v, F&& f) {
+  const int64_t d0 = v.rank > 0 ? v.shape[0] : 1, d1 = v.rank > 1 ? v.shape[1] : 1;
+  const int64_t d2 = v.rank > 2 ? v.shape[2] : 1, d3 = v.rank > 3 ? v.shape[3] : 1;
+  for (int64_t a = 0; a < d0; ++a)
+    for (int64_t b = 0; b < d1; ++b)
+      for (int64_t c = 0; c < d2; ++c)
+        for (int64_t d = 0; d < d3; ++d) f(v.at(a, b, c, d), ((a * d1 + b) * d2 + c) * d3 + d);
+}
+}  // namespace
+
+double max_abs(const View<const float>& v) {
+  double m = 0;
+  for_each(v, [&](float x, int64_t) { m = std::max(m, std::fabs(static_cast<double>(x))); });
+  return m;
+}
+
+double rel_error(const View<const float>& got, const View<const float>& want) {
+  EXPECT_EQ(got.numel(), want.numel());
+  std::vector<double> w;
+  for_each(want, [&](float x, int64_t) { w.push_back(x); });
+  double err = 0;
+  for_each(got, [&](float x, int64_t i) {
+    const double e = std::fabs(static_cast<double>(x) - w[i]);
+    err = std::isnan(e) ? std::numeric_limits<double>::infinity() : std::max(err, e);
+  });
+  return err / std::max(max_abs(want), 1e-30);
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+NaiveResult naive_attention(const AttentionInputs& in, const AttentionOptions& options) {
+  const auto& q = in.query;
+  const auto& k = in.key;
+  const auto& v = in.value;
+  const int64_t B = q.shape[0], Hq = q.shape[1], Tq = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], Tk = k.shape[2], Dv = v.shape[3];
+  const double scale = options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  // Element (b, h, i, j) of a mask of any rank <= 4, broadcast right-aligned.
+  auto mask_at = [](auto& m, int64_t b, int64_t h, int64_t i, int64_t j) {
+    const int64_t idx[4] = {b, h, i, j};
+    int64_t off = 0;
+    for (int d = 0; d < m.rank; ++d) {
+      const int64_t full = idx[4 - m.rank + d];
+      off += (m.shape[d] == 1 ? 0 : full) * m.stride[d];
+    }
+    return m.data[off];
+  };
+  // K and V repeated per query head (GQA by copying, unlike the library).
+  std::vector<double> K(B * Hq * Tk * D), V(B * Hq * Tk * Dv);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t j = 0; j < Tk; ++j) {
+        const int64_t hk = h * Hkv / Hq;
+        for (int64_t d = 0; d < D; ++d) K[((b * Hq + h) * Tk + j) * D + d] = k.at(b, hk, j, d);
+        for (int64_t d = 0; d < Dv; ++d) V[((b * Hq + h) * Tk + j) * Dv + d] = v.at(b, hk, j, d);
+      }
+  NaiveResult r;
+  r.out.assign(B * Hq * Tq * Dv, 0.0);
+  r.lse.assign(B * Hq * Tq, -std::numeric_limits<double>::infinity());
+  r.weights.assign(B * Hq * Tq * Tk, 0.0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = in.key_lengths.given() ? in.key_lengths.at(b) : Tk;
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t i = 0; i < Tq; ++i) {
+        std::vector<double> s(Tk, -std::numeric_limits<double>::infinity());
+        std::vector<bool> vis(Tk, true);
+        for (int64_t j = 0; j < Tk; ++j) {
+          bool ok = j < L;
+          if (options.causal == Causal::kTopLeft) ok = ok && j <= i && (options.window == 0 || j > i - options.window);
+          if (options.causal == Causal::kBottomRight)
+            ok = ok && j <= i + L - Tq && (options.window == 0 || j > i + L - Tq - options.window);
+          if (in.keep_mask.given()) ok = ok && mask_at(in.keep_mask, b, h, i, j) != 0;
+          vis[j] = ok;
+          if (!ok) continue;
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(q.at(b, h, i, d)) * K[((b * Hq + h) * Tk + j) * D + d];
+          s[j] = scale * dot + (in.bias.given() ? mask_at(in.bias, b, h, i, j) : 0.0f);
+        }
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < Tk; ++j)
+          if (vis[j]) m = std::max(m, s[j]);
+        if (m == -std::numeric_limits<double>::infinity()) continue;  // fully masked: zeros, lse -inf
+        double sum = 0;
+        for (int64_t j = 0; j < Tk; ++j)
+          if (vis[j]) sum += std::exp(s[j] - m);
+        const double lse = m + std::log(sum);
+        r.lse[(b * Hq + h) * Tq + i] = lse;
+        for (int64_t j = 0; j < Tk; ++j) {
+          const double p = vis[j] ? std::exp(s[j] - lse) : 0.0;
+          r.weights[((b * Hq + h) * Tq + i) * Tk + j] = p;
+          for (int64_t d = 0; d < Dv; ++d) r.out[((b * Hq + h) * Tq + i) * Dv + d] += p * V[((b * Hq + h) * Tk + j) * Dv + d];
+        }
+      }
+  }
+  return r;
+}
+
+}  // namespace mha::test

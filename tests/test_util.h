@@ -1,0 +1,56 @@
+// Helpers shared by the tests: seeded random tensors, an independent naive attention, error
+// measures. Every randomized test prints its seed; MHA_TEST_SEED=<n> reruns with another.
+#ifndef MHA_TESTS_TEST_UTIL_H_
+#define MHA_TESTS_TEST_UTIL_H_
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "mha/attention.h"
+#include "mha/tensor.h"
+
+namespace mha::test {
+
+// The base seed of randomized tests: MHA_TEST_SEED if set, else a fixed value.
+uint64_t base_seed();
+
+// A small deterministic generator (splitmix64) for test data.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next();
+  double uniform();                  // [0, 1)
+  float normal();                    // N(0, 1)
+  int64_t range(int64_t lo, int64_t hi);  // [lo, hi]
+  bool coin(double p = 0.5) { return uniform() < p; }
+
+ private:
+  uint64_t state_;
+};
+
+Tensor random_tensor(Rng& rng, std::vector<int64_t> shape, float scale = 1.0f);
+Tensor random_mask(Rng& rng, std::vector<int64_t> shape, double keep_probability);
+
+// max |a - b| / max(max |b|, tiny): the norm-wise relative error used throughout (numerics.md).
+double rel_error(const View<const float>& got, const View<const float>& want);
+double max_abs(const View<const float>& v);
+
+// Same memory layout, NaN-aware: true if both are NaN at the same places and equal elsewhere.
+bool bitwise_equal(const Tensor& a, const Tensor& b);
+
+// An independent naive attention in double: dense masks built element by element, K/V
+// repeated per query head, softmax through an explicit log-sum-exp. Outputs are contiguous
+// (B, Hq, Tq, Dv), (B, Hq, Tq) and (B, Hq, Tq, Tk) per-head weights before dropout.
+struct NaiveResult {
+  std::vector<double> out, lse, weights;
+};
+NaiveResult naive_attention(const AttentionInputs& in, const AttentionOptions& options);
+
+}  // namespace mha::test
+
+#endif  // MHA_TESTS_TEST_UTIL_H_

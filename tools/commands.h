@@ -1,0 +1,27 @@
+// The mha command's subcommands.
+#ifndef MHA_TOOLS_COMMANDS_H_
+#define MHA_TOOLS_COMMANDS_H_
+
+#include <string>
+
+namespace mha::tools {
+
+struct ForwardArgs {
+  std::string weights, input, output, prefix;
+  int heads = 0;
+  int kv_heads = 0;  // 0: inferred from the weights
+  bool causal = false;
+  std::string causal_align = "top-left";
+  bool need_weights = false;
+  bool average_weights = false;
+  bool seq_first = false;
+  bool reference = false;
+  int threads = 0;
+};
+
+int run_demo(int threads);
+int run_forward(const ForwardArgs& args);
+
+}  // namespace mha::tools
+
+#endif  // MHA_TOOLS_COMMANDS_H_

@@ -1,0 +1,48 @@
+// mha: the command-line tool. `mha demo`, `mha forward`, `mha --help`.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+
+#include "mha/error.h"
+#include "tools/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"mha: multi-head attention on the CPU, checked against PyTorch"};
+  app.require_subcommand(1);
+
+  int demo_threads = 0;
+  CLI::App* demo = app.add_subcommand("demo", "Run the three seed modules on built-in inputs, fast path vs reference");
+  demo->add_option("--threads", demo_threads, "Threads (0: all)");
+
+  mha::tools::ForwardArgs fa;
+  CLI::App* fwd = app.add_subcommand("forward", "Run a MultiHeadAttention module from safetensors files");
+  fwd->add_option("--weights", fa.weights, "Module weights (a PyTorch state_dict in safetensors)")->required();
+  fwd->add_option("--input", fa.input, "Inputs: x, or query/key/value; optional keep_mask, attn_bias, key_padding_mask")
+      ->required();
+  fwd->add_option("--output", fa.output, "Where to write output (and attn_weights)")->required();
+  fwd->add_option("--heads", fa.heads, "Number of query heads")->required()->check(CLI::PositiveNumber);
+  fwd->add_option("--kv-heads", fa.kv_heads, "Key/value heads (default: inferred from the weights)");
+  fwd->add_flag("--causal", fa.causal, "Causal masking");
+  fwd->add_option("--causal-align", fa.causal_align, "top-left (PyTorch SDPA) or bottom-right (FlashAttention)")
+      ->check(CLI::IsMember({"top-left", "bottom-right"}));
+  fwd->add_flag("--need-weights", fa.need_weights, "Also write attn_weights, per head (B, H, T, S)");
+  fwd->add_flag("--average-weights", fa.average_weights, "With --need-weights: average over heads, (B, T, S)");
+  fwd->add_option("--prefix", fa.prefix, "Name prefix of the module inside the weights file");
+  fwd->add_flag("--seq-first", fa.seq_first, "Inputs are (T, B, E), PyTorch's batch_first=False");
+  fwd->add_flag("--reference", fa.reference, "Use the plain double-accumulating reference path");
+  fwd->add_option("--threads", fa.threads, "Threads (0: all)");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (demo->parsed()) return mha::tools::run_demo(demo_threads);
+    if (fwd->parsed()) return mha::tools::run_forward(fa);
+  } catch (const mha::Error& e) {
+    std::fprintf(stderr, "mha: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mha: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
