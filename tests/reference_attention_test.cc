@@ -132,7 +132,10 @@ struct Small {
     in.key = k.view<float>();
     in.value = v.view<float>();
   }
-  void run(const AttentionOptions& opt) { attention(in, {out.view<float>(), lse.view<float>(), w.view<float>()}, opt); }
+  void run(AttentionOptions opt) {
+    opt.backend = Backend::kReference;
+    attention(in, {out.view<float>(), lse.view<float>(), w.view<float>()}, opt);
+  }
   float weight(int64_t i, int64_t j) const { return w.data<float>()[i * w.shape()[3] + j]; }
 };
 
@@ -247,7 +250,11 @@ TEST(ReferenceAttention, ZeroSizedInputsAreDefined) {
     for (int64_t i = 0; i < s.lse.numel(); ++i) EXPECT_EQ(s.lse.data<float>()[i], -kInf);
   }
   Tensor q(DType::kF32, {0, 2, 3, 4}), k(DType::kF32, {0, 1, 3, 4}), out(DType::kF32, {0, 2, 3, 4});
-  attention({q.view<float>(), k.view<float>(), k.view<float>()}, {out.view<float>()});
+  for (Backend backend : {Backend::kReference, Backend::kFast}) {
+    AttentionOptions opt;
+    opt.backend = backend;
+    attention({q.view<float>(), k.view<float>(), k.view<float>()}, {out.view<float>()}, opt);
+  }
 }
 
 TEST(ReferenceAttention, SameBitsForAnyThreadCount) {
@@ -257,6 +264,7 @@ TEST(ReferenceAttention, SameBitsForAnyThreadCount) {
     p.opt.dropout_p = trial % 2 ? 0.3f : 0.0f;
     p.opt.dropout_seed = 77;
     Tensor a(DType::kF32, {p.B, p.Hq, p.Tq, p.Dv}), b(DType::kF32, {p.B, p.Hq, p.Tq, p.Dv});
+    p.opt.backend = Backend::kReference;
     p.opt.num_threads = 1;
     attention(p.in, {a.view<float>()}, p.opt);
     p.opt.num_threads = 2;
@@ -274,6 +282,7 @@ TEST(ReferenceAttention, DropoutIsSeededRegenerableAndHasTheRightRate) {
     Tensor out(DType::kF32, {B, H, T, D});
     *w = Tensor(DType::kF32, {B, H, T, S});
     AttentionOptions opt;
+    opt.backend = Backend::kReference;
     opt.dropout_p = p;
     opt.dropout_seed = seed;
     attention(in, {out.view<float>(), {}, w->view<float>()}, opt);

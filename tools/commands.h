@@ -19,8 +19,17 @@ struct ForwardArgs {
   int threads = 0;
 };
 
+struct BenchArgs {
+  int threads = 2;
+  double seconds = 0.5;
+  bool sweep = false;
+  std::string csv, json;
+};
+
 int run_demo(int threads);
 int run_forward(const ForwardArgs& args);
+int run_info();
+int run_bench(const BenchArgs& args);
 
 }  // namespace mha::tools
 

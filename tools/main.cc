@@ -33,10 +33,22 @@ int main(int argc, char** argv) {
   fwd->add_flag("--reference", fa.reference, "Use the plain double-accumulating reference path");
   fwd->add_option("--threads", fa.threads, "Threads (0: all)");
 
+  CLI::App* info = app.add_subcommand("info", "Print this CPU's SIMD features and the kernels that run on it");
+
+  mha::tools::BenchArgs ba;
+  CLI::App* bench = app.add_subcommand("bench", "Benchmark attention and the module (GFLOP/s, % of measured peak)");
+  bench->add_option("--threads", ba.threads, "Threads");
+  bench->add_option("--seconds", ba.seconds, "Measuring time per case");
+  bench->add_flag("--sweep", ba.sweep, "Also sweep the sequence length");
+  bench->add_option("--csv", ba.csv, "Write the table as CSV");
+  bench->add_option("--json", ba.json, "Write the table as JSON");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (demo->parsed()) return mha::tools::run_demo(demo_threads);
     if (fwd->parsed()) return mha::tools::run_forward(fa);
+    if (info->parsed()) return mha::tools::run_info();
+    if (bench->parsed()) return mha::tools::run_bench(ba);
   } catch (const mha::Error& e) {
     std::fprintf(stderr, "mha: error: %s\n", e.what());
     return 1;

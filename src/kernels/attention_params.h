@@ -46,7 +46,7 @@ struct AttentionParams {
 };
 
 // The keys [lo, hi) that causal alignment, the window and key_lengths leave visible to query
-// row i of batch b (keep_mask and bias still apply inside). Empty when hi <= lo.
+// row i of batch b (keep_mask and bias still apply inside). Empty ranges are {0, 0}.
 struct KeyRange {
   int64_t lo, hi;
 };
@@ -59,7 +59,7 @@ inline KeyRange visible_keys(const AttentionParams& p, int64_t b, int64_t i) {
     hi = std::min(hi, last + 1);
     if (p.window > 0) lo = std::max<int64_t>(0, last - p.window + 1);
   }
-  return {lo, std::max(lo, hi)};
+  return hi > lo ? KeyRange{lo, hi} : KeyRange{0, 0};  // empty ranges are canonical
 }
 
 }  // namespace mha::kernels

@@ -56,7 +56,13 @@ void linear(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, 
     const dnnl_status_t status =
         dnnl_sgemm('N', 'T', m, n, K, 1.0f, x.data + m0 * x.row_stride, x.row_stride,
                    w.data + n0 * w.row_stride, w.row_stride, 1.0f, c, ldy);
-    if (status != dnnl_success) throw Error(fmt::format("linear: dnnl_sgemm failed (status {})", status));
+    if (status != dnnl_success) {
+      throw Error(fmt::format(
+          "linear: dnnl_sgemm failed with status {} for ({} x {}) · ({} x {})ᵀ{}", static_cast<int>(status), m, K, n, K,
+          status == dnnl_unimplemented ? "; another copy of oneDNN loaded earlier in this process (libtorch bundles "
+                                         "one) may have interposed its symbols: link or load libdnnl before it"
+                                       : ""));
+    }
   });
 }
 

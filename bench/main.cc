@@ -1,0 +1,33 @@
+// mha_bench: the benchmark binary. With libtorch (-DMHA_TORCH_DIR=...), every case is also run
+// on PyTorch in the same process and the table shows the ratio.
+#include <CLI/CLI.hpp>
+
+#include "bench/suite.h"
+
+namespace mha::bench {
+#ifdef MHA_WITH_TORCH
+Peer torch_peer();
+#endif
+}  // namespace mha::bench
+
+int main(int argc, char** argv) {
+  CLI::App app{"mha_bench: attention and module throughput against this machine's peak and PyTorch"};
+  mha::bench::Options o;
+  bool sweep = false;
+  app.add_option("--threads", o.threads, "Threads for mha and the peer");
+  app.add_option("--seconds", o.seconds, "Measuring time per case and implementation");
+  app.add_option("--csv", o.csv, "Write the table as CSV");
+  app.add_option("--json", o.json, "Write the table as JSON (input of bench/plot.py)");
+  app.add_flag("--sweep", sweep, "Also sweep the sequence length (for the plot)");
+  CLI11_PARSE(app, argc, argv);
+  const double peak = mha::bench::measure_peak_gflops(o.threads);
+#ifdef MHA_WITH_TORCH
+  const mha::bench::Peer torch = mha::bench::torch_peer();
+  const mha::bench::Peer* peer = &torch;
+#else
+  const mha::bench::Peer* peer = nullptr;
+#endif
+  const auto rows = mha::bench::run_suites(o, peer, sweep);
+  mha::bench::report(rows, peak, o, peer);
+  return 0;
+}

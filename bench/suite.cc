@@ -1,0 +1,188 @@
+#include "bench/suite.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "mha/attention.h"
+#include "mha/multi_head_attention.h"
+
+namespace mha::bench {
+
+double AttentionCase::flops() const {
+  // Visible (query, key) pairs: all, or the top-left causal triangle.
+  double pairs = static_cast<double>(Tq) * Tk;
+  if (causal) {
+    pairs = 0;
+    for (int64_t i = 0; i < Tq; ++i) pairs += static_cast<double>(std::min<int64_t>(i + 1, Tk));
+  }
+  return 2.0 * B * H * pairs * static_cast<double>(D + Dv);
+}
+
+double ModuleCase::flops() const {
+  const double rows = static_cast<double>(B) * T;
+  return 2.0 * rows * E * 3 * E + 4.0 * B * static_cast<double>(T) * T * E + 2.0 * rows * E * E;
+}
+
+double time_calls(const std::function<void()>& f, double seconds) {
+  f();  // warm-up: workspaces, caches, thread pool
+  std::vector<double> t;
+  double total = 0;
+  while (total < seconds || t.size() < 3) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    t.push_back(s);
+    total += s;
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::vector<AttentionCase> standard_attention_cases() {
+  return {
+      {"issue", 8, 12, 12, 128, 128, 64, 64, false},
+      {"issue", 4, 12, 12, 512, 512, 64, 64, false},
+      {"issue", 1, 12, 12, 1024, 1024, 64, 64, true},
+      {"issue", 1, 8, 8, 4096, 4096, 64, 64, false},
+      {"issue", 1, 32, 32, 2048, 2048, 128, 128, true},
+      {"issue", 1, 8, 8, 4096, 4096, 64, 64, true},
+      {"gqa", 1, 32, 8, 2048, 2048, 128, 128, true},
+      {"seed000", 10, 8, 8, 10, 10, 96, 96, true},
+      {"seed002", 2, 8, 8, 10, 10, 64, 64, false},
+      {"seed003", 4, 8, 8, 12, 12, 16, 12, false},
+  };
+}
+
+std::vector<AttentionCase> sequence_sweep() {
+  std::vector<AttentionCase> v;
+  for (bool causal : {false, true})
+    for (int64_t T : {128, 256, 512, 1024, 2048, 4096, 8192}) v.push_back({"sweep", 1, 8, 8, T, T, 64, 64, causal});
+  return v;
+}
+
+std::vector<ModuleCase> standard_module_cases() {
+  return {
+      {"seed000", 10, 10, 768, 8},
+      {"seed002", 2, 10, 512, 8},
+      {"bert-base", 8, 128, 768, 12},
+      {"gpt2-512", 4, 512, 768, 12},
+  };
+}
+
+namespace {
+
+Tensor filled(std::vector<int64_t> shape, float scale) {
+  Tensor t(DType::kF32, std::move(shape));
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = scale * static_cast<float>((i * 2654435761u) % 1000) / 1000.0f;
+  return t;
+}
+
+}  // namespace
+
+double time_mha_attention(const AttentionCase& c, int threads, double seconds) {
+  const Tensor q = filled({c.B, c.H, c.Tq, c.D}, 1.0f), k = filled({c.B, c.Hkv, c.Tk, c.D}, 1.0f);
+  const Tensor v = filled({c.B, c.Hkv, c.Tk, c.Dv}, 1.0f);
+  Tensor out(DType::kF32, {c.B, c.H, c.Tq, c.Dv});
+  AttentionOptions opt;
+  opt.num_threads = threads;
+  opt.causal = c.causal ? Causal::kTopLeft : Causal::kNone;
+  const AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
+  const AttentionOutputs o{out.view<float>()};
+  return time_calls([&] { attention(in, o, opt); }, seconds);
+}
+
+double time_mha_module(const ModuleCase& c, int threads, double seconds) {
+  MultiHeadAttentionConfig config;
+  config.embed_dim = c.E;
+  config.num_heads = c.H;
+  MultiHeadAttention m(config, 1);
+  m.set_num_threads(threads);
+  const Tensor x = filled({c.B, c.T, c.E}, 1.0f);
+  MhaInputs in;
+  in.query = x.view<float>();
+  return time_calls([&] { m.forward(in); }, seconds);
+}
+
+std::vector<Row> run_suites(const Options& o, const Peer* peer, bool sweep) {
+  std::vector<AttentionCase> att = standard_attention_cases();
+  if (sweep) {
+    for (const auto& c : sequence_sweep()) att.push_back(c);
+  }
+  const std::vector<ModuleCase> mods = standard_module_cases();
+  const size_t total = att.size() + mods.size();
+  std::vector<Row> rows;
+  size_t done = 0;
+  for (const AttentionCase& c : att) {
+    Row r;
+    r.suite = c.name == "sweep" ? (c.causal ? "sweep-causal" : "sweep") : "attention";
+    r.name = c.name + (c.causal ? " causal" : "");
+    r.shape = fmt::format("({}, {}{}, {}, {}{})", c.B, c.H, c.Hkv != c.H ? fmt::format("/{}", c.Hkv) : "", c.Tq, c.D,
+                          c.Dv != c.D ? fmt::format("/{}", c.Dv) : "");
+    std::fprintf(stderr, "[%zu/%zu] attention %s %s ...\n", ++done, total, r.name.c_str(), r.shape.c_str());
+    r.flops = c.flops();
+    r.mha_s = time_mha_attention(c, o.threads, o.seconds);
+    if (peer && peer->attention) r.peer_s = peer->attention(c, o.threads, o.seconds);
+    rows.push_back(r);
+  }
+  for (const ModuleCase& c : mods) {
+    Row r;
+    r.suite = "module";
+    r.name = c.name;
+    r.shape = fmt::format("B={} T={} E={} H={}", c.B, c.T, c.E, c.H);
+    std::fprintf(stderr, "[%zu/%zu] module %s %s ...\n", ++done, total, r.name.c_str(), r.shape.c_str());
+    r.flops = c.flops();
+    r.mha_s = time_mha_module(c, o.threads, o.seconds);
+    if (peer && peer->module) r.peer_s = peer->module(c, o.threads, o.seconds);
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+void report(const std::vector<Row>& rows, double peak, const Options& o, const Peer* peer) {
+  const std::string peer_name = peer ? peer->name : "peer";
+  fmt::print("threads {}, measured fp32 FMA peak {:.1f} GFLOP/s\n", o.threads, peak);
+  fmt::print("{:<13} {:<16} {:<24} {:>10} {:>9} {:>7} {:>10} {:>9} {:>7}\n", "suite", "case", "shape (B, H, T, D)",
+             "mha ms", "GFLOP/s", "% peak", peer_name + " ms", "GFLOP/s", "ratio");
+  for (const Row& r : rows) {
+    const double g = r.flops / r.mha_s / 1e9;
+    std::string peer_cols = fmt::format("{:>10} {:>9} {:>7}", "-", "-", "-");
+    if (r.peer_s > 0)
+      peer_cols = fmt::format("{:>10.3f} {:>9.1f} {:>6.2f}x", r.peer_s * 1e3, r.flops / r.peer_s / 1e9, r.peer_s / r.mha_s);
+    fmt::print("{:<13} {:<16} {:<24} {:>10.3f} {:>9.1f} {:>6.1f}% {}\n", r.suite, r.name, r.shape, r.mha_s * 1e3, g,
+               peak > 0 ? 100 * g / peak : 0.0, peer_cols);
+  }
+  if (!o.csv.empty()) {
+    std::ofstream f(o.csv);
+    f << "suite,case,shape,flops,mha_seconds,mha_gflops,percent_of_peak,peer,peer_seconds,peer_gflops,ratio\n";
+    for (const Row& r : rows) {
+      const double g = r.flops / r.mha_s / 1e9;
+      f << r.suite << "," << r.name << ",\"" << r.shape << "\"," << r.flops << "," << r.mha_s << "," << g << ","
+        << (peak > 0 ? 100 * g / peak : 0) << "," << peer_name << ","
+        << (r.peer_s > 0 ? std::to_string(r.peer_s) : "") << ","
+        << (r.peer_s > 0 ? std::to_string(r.flops / r.peer_s / 1e9) : "") << ","
+        << (r.peer_s > 0 ? std::to_string(r.peer_s / r.mha_s) : "") << "\n";
+    }
+  }
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["threads"] = o.threads;
+    j["peak_gflops"] = peak;
+    j["peer"] = peer_name;
+    for (const Row& r : rows) {
+      nlohmann::json e = {{"suite", r.suite}, {"case", r.name}, {"shape", r.shape}, {"flops", r.flops},
+                          {"mha_seconds", r.mha_s}, {"mha_gflops", r.flops / r.mha_s / 1e9}};
+      if (r.peer_s > 0) e["peer_seconds"] = r.peer_s, e["peer_gflops"] = r.flops / r.peer_s / 1e9;
+      j["rows"].push_back(e);
+    }
+    std::ofstream(o.json) << j.dump(1) << "\n";
+  }
+}
+
+}  // namespace mha::bench

@@ -1,0 +1,64 @@
+// 2^x on SIMD lanes, shared by every fast kernel (forward and backward must round alike).
+//
+// Hand-written rather than Highway's contrib Exp because the kernels work in base 2 (scale·log2e
+// is folded into Q, so each probability is one exp2 of s - m), and because its edge cases are
+// part of the attention semantics: exp2(-inf) = 0 exactly (masked keys), NaN stays NaN (never
+// hidden), nothing overflows for x <= 0.
+//
+//   x = n + f,  n = round(x),  f in [-1/2, 1/2]
+//   2^f ~ 1 + f·(c1 + f·(c2 + ... + f·c6))   (Cephes exp2f minimax, relative error < 2e-7)
+//   2^x = 2^f · 2^n: vscalefps on AVX-512 (x < -150 gives 0), else built in the exponent
+//   field (x < -127 gives 0). exp2(-inf) is exactly 0 on both. Accurate for x <= 0, the only
+//   inputs the kernels pass.
+#if defined(MHA_KERNELS_CPU_EXP2_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MHA_KERNELS_CPU_EXP2_INL_H_
+#undef MHA_KERNELS_CPU_EXP2_INL_H_
+#else
+#define MHA_KERNELS_CPU_EXP2_INL_H_
+#endif
+
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V Exp2(D d, V x) {
+  // Only the lower clamp matters: the kernels call this with x <= 0 (a score minus its row
+  // maximum). On x86, Max returns its second operand when either is NaN, so NaN stays NaN;
+  // other targets test for it explicitly below.
+#if HWY_TARGET == HWY_AVX3
+  // scalef underflows to exactly 0 below 2^-150; -inf must give exactly 0 (masked keys).
+  const V xc = hn::Max(hn::Set(d, -160.0f), x);
+#else
+  const V xc = hn::Max(hn::Set(d, -127.0f), x);
+#endif
+  const V n = hn::Round(xc);
+  const V f = hn::Sub(xc, n);
+  V p = hn::Set(d, 1.535336188319500e-4f);
+  p = hn::MulAdd(p, f, hn::Set(d, 1.339887440266574e-3f));
+  p = hn::MulAdd(p, f, hn::Set(d, 9.618437357674640e-3f));
+  p = hn::MulAdd(p, f, hn::Set(d, 5.550332471162809e-2f));
+  p = hn::MulAdd(p, f, hn::Set(d, 2.402264791363012e-1f));
+  p = hn::MulAdd(p, f, hn::Set(d, 6.931472028550421e-1f));
+  p = hn::MulAdd(p, f, hn::Set(d, 1.0f));
+#if HWY_TARGET == HWY_AVX3
+  return V{_mm512_scalef_ps(p.raw, n.raw)};  // p · 2^n in one instruction
+#else
+  // 2^n for n in [-127, 0]: exponent field n + 127 (0 gives +0.0, i.e. underflow to zero).
+  const hn::RebindToSigned<D> di;
+  const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
+  const V r = hn::Mul(p, hn::BitCast(d, bits));
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR
+  return r;
+#else
+  return hn::IfThenElse(hn::IsNaN(x), x, r);
+#endif
+#endif
+}
+
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MHA_KERNELS_CPU_EXP2_INL_H_

@@ -1,0 +1,254 @@
+// Pieces shared by the fast attention kernels (forward, weights pass, backward): tile sizes
+// per SIMD target, the rows of a task, packing Q, classifying and masking key blocks, dropout
+// on a block, and the QKᵀ block product. See tiles-inl.h for the layout (query rows in lanes).
+#if defined(MHA_KERNELS_CPU_FLASH_BLOCKS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MHA_KERNELS_CPU_FLASH_BLOCKS_INL_H_
+#undef MHA_KERNELS_CPU_FLASH_BLOCKS_INL_H_
+#else
+#define MHA_KERNELS_CPU_FLASH_BLOCKS_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "hwy/highway.h"
+#include "kernels/attention_params.h"
+#include "kernels/cpu/flash_plan.h"
+#include "kernels/cpu/tiles-inl.h"
+#include "kernels/cpu/transpose-inl.h"
+#include "kernels/dropout.h"
+#include "kernels/workspace.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace flash {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+
+// Register tiles per target: AVX-512 has 32 vector registers, the others 16.
+#if HWY_TARGET <= HWY_AVX3
+constexpr size_t kQkKeys = 8;  // QkTile: 8 keys × 3 row vectors = 24 accumulators
+constexpr size_t kPvCols = 8;  // PvTile: 8 columns × 3 row vectors
+#else
+constexpr size_t kQkKeys = 4;  // 4 × 3 = 12 accumulators
+constexpr size_t kPvCols = 4;
+#endif
+constexpr size_t kRowVecs = 3;
+#ifndef MHA_ROWS
+#define MHA_ROWS 48
+#endif
+#ifndef MHA_KEYS
+#define MHA_KEYS 64
+#endif
+constexpr int64_t kTargetRows = MHA_ROWS;
+constexpr int64_t kKeyBlock = MHA_KEYS;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// St rows 0 .. n (keys a .. a + n, n a multiple of kQkKeys) for row vectors [0, nvec). Keys
+// past Tk read the last key; their scores are masked afterwards.
+template <bool kUnit>
+inline void ScoresBlock(DF d, const float* qt, size_t ldq, size_t nvec, const float* kbase, int64_t ks, int64_t kd,
+                        int64_t a, int64_t n, int64_t Tk, size_t depth, float* st) {
+  const size_t N = hn::Lanes(d);
+  for (int64_t kr = 0; kr < n; kr += kQkKeys) {
+    const float* krows[kQkKeys];
+    for (size_t x = 0; x < kQkKeys; ++x) krows[x] = kbase + std::min<int64_t>(a + kr + x, Tk - 1) * ks;
+    float* s = st + kr * ldq;
+    for (size_t rv = 0; rv < nvec; rv += kRowVecs) {
+      switch (std::min(kRowVecs, nvec - rv)) {
+        case 1: QkTile<kQkKeys, 1, kUnit>(d, qt + rv * N, ldq, krows, kd, depth, s + rv * N, ldq); break;
+        case 2: QkTile<kQkKeys, 2, kUnit>(d, qt + rv * N, ldq, krows, kd, depth, s + rv * N, ldq); break;
+        default: QkTile<kQkKeys, 3, kUnit>(d, qt + rv * N, ldq, krows, kd, depth, s + rv * N, ldq); break;
+      }
+    }
+  }
+}
+
+// The rows of one task and what they may see. Per-row arrays are filled once per task so the
+// block loop never divides.
+struct TaskRows {
+  int64_t b, hk, i0, nq;    // queries i0 .. i0 + nq of every head of the group
+  int64_t rows;             // G · q_per_task (some invalid when nq < q_per_task)
+  size_t mpad, nvec;        // rows padded to whole vectors
+  uint8_t* valid;           // per padded row
+  int32_t* head;            // query head of the row
+  int32_t* query;           // query index of the row
+  int32_t* lo;              // visible key range [lo, hi) from causal/window/lengths
+  int32_t* hi;
+  KeyRange keys;            // union over the task's rows
+};
+
+inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_t b, int64_t hk, int64_t qb, size_t N,
+                         Workspace& ws) {
+  TaskRows t;
+  t.b = b;
+  t.hk = hk;
+  t.i0 = qb * plan.q_per_task;
+  t.nq = std::min(plan.q_per_task, p.q_len - t.i0);
+  t.rows = plan.rows;
+  t.nvec = (static_cast<size_t>(t.rows) + N - 1) / N;
+  t.mpad = t.nvec * N;
+  t.lo = ws.get<int32_t>(0, t.mpad);
+  t.hi = ws.get<int32_t>(1, t.mpad);
+  t.head = ws.get<int32_t>(8, t.mpad);
+  t.query = ws.get<int32_t>(9, t.mpad);
+  t.valid = ws.get<uint8_t>(10, t.mpad);
+  std::fill(t.valid, t.valid + t.mpad, 0);
+  std::fill(t.lo, t.lo + t.mpad, 0);
+  std::fill(t.hi, t.hi + t.mpad, 0);
+  std::fill(t.head, t.head + t.mpad, 0);
+  std::fill(t.query, t.query + t.mpad, 0);
+  for (int64_t g = 0; g < p.group(); ++g) {
+    for (int64_t x = 0; x < t.nq; ++x) {
+      const int64_t r = g * plan.q_per_task + x, i = t.i0 + x;
+      const KeyRange k = visible_keys(p, b, i);
+      t.valid[r] = 1;
+      t.head[r] = static_cast<int32_t>(hk * p.group() + g);
+      t.query[r] = static_cast<int32_t>(i);
+      t.lo[r] = static_cast<int32_t>(k.lo);
+      t.hi[r] = static_cast<int32_t>(k.hi);
+    }
+  }
+  t.keys = task_keys(p, b, t.i0, t.i0 + t.nq);
+  return t;
+}
+
+// Qt[d][r] = q[row r][d] · scale · log2 e; zero for invalid rows. N rows at a time through an
+// in-register transpose when the head dim is contiguous.
+inline void PackQueries(DF d, const AttentionParams& p, const TaskRows& t, float* qt) {
+  const size_t N = hn::Lanes(d), D = static_cast<size_t>(p.qk_dim);
+  const float c = p.scale * kLog2e;
+  if (p.q_stride[3] != 1) {
+    for (size_t r = 0; r < t.mpad; ++r) {
+      const float* q = p.q + t.b * p.q_stride[0] + t.head[r] * p.q_stride[1] + t.query[r] * p.q_stride[2];
+      for (size_t dd = 0; dd < D; ++dd) qt[dd * t.mpad + r] = t.valid[r] ? q[dd * p.q_stride[3]] * c : 0.0f;
+    }
+    return;
+  }
+  HWY_ALIGN static const float kZeros[hn::MaxLanes(DF())] = {};
+  const float* rows[hn::MaxLanes(DF())];
+  for (size_t r0 = 0; r0 < t.mpad; r0 += N) {
+    for (size_t dd = 0; dd < D; dd += N) {
+      for (size_t x = 0; x < N; ++x) {
+        const size_t r = r0 + x;
+        rows[x] = t.valid[r] ? p.q + t.b * p.q_stride[0] + t.head[r] * p.q_stride[1] + t.query[r] * p.q_stride[2] + dd
+                             : kZeros;
+      }
+      Transpose(d, rows, std::min(N, D - dd), qt + dd * t.mpad + r0, t.mpad, c);
+    }
+  }
+}
+
+enum class BlockKind { kSkip, kFull, kPartial };
+
+// One key block of a task, trimmed to the keys some row of the task can see.
+struct KeyBlock {
+  int64_t a, n;        // St row x holds key a + x, for x < n (n a multiple of kQkKeys)
+  int64_t nv;          // keys a .. a + nv may be visible (V rows read for them)
+  BlockKind kind;      // skip: nothing visible; full: everything visible, no per-element masking
+  bool keep_partial;   // keep_mask varies inside the block
+};
+
+inline KeyBlock MakeBlock(const AttentionParams& p, const TaskRows& t, int64_t jb) {
+  KeyBlock k;
+  const int64_t ua = std::max<int64_t>(jb, t.keys.lo), ub = std::min<int64_t>(jb + kKeyBlock, t.keys.hi);
+  k.a = jb + (ua - jb) / static_cast<int64_t>(kQkKeys) * kQkKeys;
+  k.n = (ub - k.a + kQkKeys - 1) / kQkKeys * kQkKeys;
+  k.nv = ub - k.a;
+  k.keep_partial = false;
+  const int64_t j0 = k.a, j1 = k.a + k.n;
+  bool any = false, all = true;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    if (!t.valid[r]) continue;
+    any |= t.lo[r] < t.hi[r] && t.lo[r] < j1 && t.hi[r] > j0;
+    all &= t.lo[r] <= j0 && t.hi[r] >= j1;
+  }
+  if (!any || ub <= ua) {
+    k.kind = BlockKind::kSkip;
+    return k;
+  }
+  if (p.keep) {
+    bool some_kept = false, all_kept = true;
+    const int64_t je = std::min(j1, p.kv_len);
+    for (int64_t r = 0; r < t.rows && (all_kept || !some_kept); ++r) {
+      if (!t.valid[r]) continue;
+      const uint8_t* m = p.keep + t.b * p.keep_stride[0] + t.head[r] * p.keep_stride[1] + t.query[r] * p.keep_stride[2];
+      const int64_t a = std::max<int64_t>(j0, t.lo[r]), e = std::min<int64_t>(je, t.hi[r]);
+      for (int64_t j = a; j < e; ++j) {
+        const bool kept = m[j * p.keep_stride[3]] != 0;
+        some_kept |= kept;
+        all_kept &= kept;
+      }
+    }
+    if (!some_kept) {
+      k.kind = BlockKind::kSkip;
+      return k;
+    }
+    k.keep_partial = !all_kept;
+  }
+  k.kind = all && !k.keep_partial ? BlockKind::kFull : BlockKind::kPartial;
+  return k;
+}
+
+// Bias (log2 units), then -inf outside each row's range and where keep_mask is 0.
+inline void MaskBlock(DF d, const AttentionParams& p, const TaskRows& t, const KeyBlock& k, float* st) {
+  const size_t N = hn::Lanes(d);
+  const int64_t jn = std::min(k.n, p.kv_len - k.a);  // keys that exist
+  if (p.bias) {
+    for (size_t r = 0; r < t.mpad; ++r) {
+      if (!t.valid[r]) continue;
+      const float* bias = p.bias + t.b * p.bias_stride[0] + t.head[r] * p.bias_stride[1] +
+                          t.query[r] * p.bias_stride[2] + k.a * p.bias_stride[3];
+      for (int64_t j = 0; j < jn; ++j) st[j * t.mpad + r] += bias[j * p.bias_stride[3]] * kLog2e;
+    }
+  }
+  if (k.kind == BlockKind::kPartial) {
+    const hn::RebindToSigned<DF> di;
+    for (int64_t j = 0; j < k.n; ++j) {
+      const auto jj = hn::Set(di, static_cast<int32_t>(k.a + j));
+      const auto jj1 = hn::Set(di, static_cast<int32_t>(k.a + j + 1));
+      for (size_t rv = 0; rv < t.nvec; ++rv) {
+        // lo <= j < hi
+        const auto vis = hn::And(hn::Lt(hn::Load(di, t.lo + rv * N), jj1), hn::Lt(jj, hn::Load(di, t.hi + rv * N)));
+        float* s = st + j * t.mpad + rv * N;
+        hn::Store(hn::IfThenElse(hn::RebindMask(d, vis), hn::Load(d, s), hn::Set(d, kNegInf)), d, s);
+      }
+    }
+  }
+  if (k.keep_partial) {
+    for (size_t r = 0; r < t.mpad; ++r) {
+      if (!t.valid[r]) continue;
+      const uint8_t* m = p.keep + t.b * p.keep_stride[0] + t.head[r] * p.keep_stride[1] +
+                         t.query[r] * p.keep_stride[2] + k.a * p.keep_stride[3];
+      for (int64_t j = 0; j < jn; ++j)
+        if (m[j * p.keep_stride[3]] == 0) st[j * t.mpad + r] = kNegInf;
+    }
+  }
+}
+
+// Dropout on the probabilities of a block: kept ones scaled by 1/(1-p), others zeroed.
+inline void DropBlock(const AttentionParams& p, const Dropout& drop, const TaskRows& t, const KeyBlock& k, float* st) {
+  const int64_t jn = std::min(k.n, p.kv_len - k.a);  // k.a is a multiple of 4
+  for (size_t r = 0; r < t.mpad; ++r) {
+    if (!t.valid[r]) continue;
+    const int64_t h = t.head[r], i = t.query[r];
+    for (int64_t j = 0; j < jn; j += 4) {
+      const auto bits = drop.bits4(t.b, h, i, (k.a + j) >> 2);
+      for (int64_t x = 0; x < 4 && j + x < jn; ++x) {
+        float& s = st[(j + x) * t.mpad + r];
+        s = !drop.drop_all() && bits[x] >= drop.threshold() ? s * drop.scale() : 0.0f;
+      }
+    }
+  }
+}
+
+}  // namespace flash
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MHA_KERNELS_CPU_FLASH_BLOCKS_INL_H_

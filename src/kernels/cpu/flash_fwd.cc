@@ -1,0 +1,264 @@
+// The fast attention forward (FlashAttention-2 style) for float32, compiled for each SIMD
+// target Highway knows (AVX-512, AVX2, portable) and chosen once per call.
+//
+// For each task (b, kv head, query block; see flash_plan.h) and each key block j0..j0+Bk:
+//   St = K_blk · Qtᵀ-tile              scores in log2 units (Q pre-scaled by scale·log2 e)
+//   St += bias·log2 e; masked → -inf   only for blocks that need it (see Classify)
+//   m' = max(m, max_j St);  α = 2^(m - m');  P = 2^(St - m');  l = α·l + Σ_j P
+//   P ·= dropout keep / (1 - p)        (l stays undropped)
+//   Ot = α·Ot + Vᵀ_blk · P
+// and at the end out = Ot / l, lse = (m + log2 l)·ln 2 (Dao et al., FlashAttention-2, 2023,
+// Algorithm 1; the layout with query rows in the SIMD lanes follows gemma.cpp). A row that saw
+// no key has l = 0: its output is 0 and its LSE -inf. Memory: O((D + Dv + Bk) · rows) per thread.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/flash_fwd.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/exp2-inl.h"
+#include "kernels/cpu/flash_blocks-inl.h"
+#include "kernels/cpu/flash.h"
+#include "kernels/cpu/flash_plan.h"
+#include "kernels/cpu/tiles-inl.h"
+#include "kernels/dropout.h"
+#include "kernels/workspace.h"
+#include "util/parallel.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace {
+
+using namespace flash;  // NOLINT(build/namespaces): the shared block helpers
+
+template <size_t CR, bool kUnit>
+void PvColumns(DF d, const float* st, size_t ldq, size_t nvec, const float* v, int64_t vs, int64_t vd, size_t jn,
+               const float* alpha, float* ot) {
+  const size_t N = hn::Lanes(d);
+  for (size_t rv = 0; rv < nvec; rv += kRowVecs) {
+    switch (std::min(kRowVecs, nvec - rv)) {
+      case 1: PvTile<CR, 1, kUnit>(d, st + rv * N, ldq, v, vs, vd, jn, alpha + rv * N, ot + rv * N, ldq); break;
+      case 2: PvTile<CR, 2, kUnit>(d, st + rv * N, ldq, v, vs, vd, jn, alpha + rv * N, ot + rv * N, ldq); break;
+      default: PvTile<CR, 3, kUnit>(d, st + rv * N, ldq, v, vs, vd, jn, alpha + rv * N, ot + rv * N, ldq); break;
+    }
+  }
+}
+
+// Ot = α·Ot + Vᵀ_blk · P for all Dv columns, kPvCols at a time.
+template <bool kUnit>
+void OutputBlock(DF d, const float* st, size_t ldq, size_t nvec, const float* v, int64_t vs, int64_t vd,
+                 size_t jn, size_t dv, const float* alpha, float* ot) {
+  for (size_t c = 0; c < dv; c += kPvCols) {
+    const float* vc = v + static_cast<int64_t>(c) * vd;
+    float* oc = ot + c * ldq;
+    switch (std::min(kPvCols, dv - c)) {
+      case 1: PvColumns<1, kUnit>(d, st, ldq, nvec, vc, vs, vd, jn, alpha, oc); break;
+      case 2: PvColumns<2, kUnit>(d, st, ldq, nvec, vc, vs, vd, jn, alpha, oc); break;
+      case 3: PvColumns<3, kUnit>(d, st, ldq, nvec, vc, vs, vd, jn, alpha, oc); break;
+#if HWY_TARGET <= HWY_AVX3
+      case 4: PvColumns<4, kUnit>(d, st, ldq, nvec, vc, vs, vd, jn, alpha, oc); break;
+      case 5: PvColumns<5, kUnit>(d, st, ldq, nvec, vc, vs, vd, jn, alpha, oc); break;
+      case 6: PvColumns<6, kUnit>(d, st, ldq, nvec, vc, vs, vd, jn, alpha, oc); break;
+      case 7: PvColumns<7, kUnit>(d, st, ldq, nvec, vc, vs, vd, jn, alpha, oc); break;
+#endif
+      default: PvColumns<kPvCols, kUnit>(d, st, ldq, nvec, vc, vs, vd, jn, alpha, oc); break;
+    }
+  }
+}
+
+// Starts loading a task's query rows and output rows (the first touch of them would otherwise
+// stall the packing and the write-back).
+void PrefetchRows(const AttentionParams& p, const FlashPlan& plan, const TaskCoords& c) {
+  const int64_t i0 = c.qb * plan.q_per_task, i1 = std::min(p.q_len, i0 + plan.q_per_task);
+  for (int64_t g = 0; g < p.group(); ++g) {
+    const int64_t h = c.hk * p.group() + g;
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* q = p.q + c.b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
+      float* o = p.out + c.b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+      for (int64_t x = 0; x < p.qk_dim * p.q_stride[3]; x += 16) __builtin_prefetch(q + x, 0);
+      for (int64_t x = 0; x < p.v_dim * p.out_stride[3]; x += 16) __builtin_prefetch(o + x, 1);
+    }
+  }
+}
+
+// Prefetches slice qb of the next (batch, kv head)'s K and V rows: the query blocks of one head
+// together load all of the next one while they compute.
+void PrefetchNextHead(const AttentionParams& p, const FlashPlan& plan, const TaskCoords& c) {
+  const int64_t next = c.b * p.kv_heads + c.hk + 1;
+  if (next >= p.batch * p.kv_heads) return;
+  const int64_t b = next / p.kv_heads, hk = next % p.kv_heads;
+  const float* k = p.k + b * p.k_stride[0] + hk * p.k_stride[1];
+  const float* v = p.v + b * p.v_stride[0] + hk * p.v_stride[1];
+  const int64_t j0 = c.qb * p.kv_len / plan.q_blocks, j1 = (c.qb + 1) * p.kv_len / plan.q_blocks;
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t x = 0; x < p.qk_dim * p.k_stride[3]; x += 16) __builtin_prefetch(k + j * p.k_stride[2] + x, 0, 2);
+    for (int64_t x = 0; x < p.v_dim * p.v_stride[3]; x += 16) __builtin_prefetch(v + j * p.v_stride[2] + x, 0, 2);
+  }
+}
+
+// out[row r][c] = Ot[c][r] · inv[r] for the valid rows, N×N blocks through a transpose.
+void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* ot, const float* inv) {
+  const size_t N = hn::Lanes(d), M = t.mpad, Dv = static_cast<size_t>(p.v_dim);
+  auto out_row = [&](size_t r) { return p.out + t.b * p.out_stride[0] + t.head[r] * p.out_stride[1] + t.query[r] * p.out_stride[2]; };
+  if (p.out_stride[3] != 1) {
+    for (size_t r = 0; r < M; ++r)
+      if (t.valid[r])
+        for (size_t cc = 0; cc < Dv; ++cc) out_row(r)[static_cast<int64_t>(cc) * p.out_stride[3]] = ot[cc * M + r] * inv[r];
+    return;
+  }
+  HWY_ALIGN static const float kZeros[hn::MaxLanes(DF())] = {};
+  HWY_ALIGN float tmp[hn::MaxLanes(DF()) * hn::MaxLanes(DF())];
+  const float* cols[hn::MaxLanes(DF())];
+  for (size_t r0 = 0; r0 < M; r0 += N) {
+    for (size_t c0 = 0; c0 < Dv; c0 += N) {
+      const size_t nc = std::min(N, Dv - c0);
+      for (size_t x = 0; x < N; ++x) cols[x] = x < nc ? ot + (c0 + x) * M + r0 : kZeros;
+      Transpose(d, cols, N, tmp, N, 1.0f);  // tmp[r·N + x] = Ot[c0 + x][r0 + r]
+      for (size_t x = 0; x < N; ++x) {
+        const size_t r = r0 + x;
+        if (!t.valid[r]) continue;
+        const auto v = hn::Mul(hn::Load(d, tmp + x * N), hn::Set(d, inv[r]));
+        if (nc == N) {
+          hn::StoreU(v, d, out_row(r) + c0);
+        } else {
+          hn::BlendedStore(v, hn::FirstN(d, nc), d, out_row(r) + c0);
+        }
+      }
+    }
+  }
+}
+
+void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, float* lse2) {
+  const DF d;
+  const size_t N = hn::Lanes(d);
+  const TaskCoords c = task_coords(p, plan, task);
+  Workspace& ws = Workspace::local();
+  const TaskRows t = MakeRows(p, plan, c.b, c.hk, c.qb, N, ws);
+  const size_t M = t.mpad, D = static_cast<size_t>(p.qk_dim), Dv = static_cast<size_t>(p.v_dim);
+  float* qt = ws.get<float>(2, D * M);
+  float* st = ws.get<float>(3, kKeyBlock * M);
+  float* ot = ws.get<float>(4, std::max<size_t>(Dv, 1) * M);
+  float* m = ws.get<float>(5, M);
+  float* l = ws.get<float>(6, M);
+  float* alpha = ws.get<float>(7, M);
+  PackQueries(d, p, t, qt);
+  std::fill(ot, ot + Dv * M, 0.0f);
+  std::fill(m, m + M, kNegInf);
+  std::fill(l, l + M, 0.0f);
+
+  const float* kbase = p.k + c.b * p.k_stride[0] + c.hk * p.k_stride[1];
+  const float* vbase = p.v + c.b * p.v_stride[0] + c.hk * p.v_stride[1];
+  const bool k_unit = p.k_stride[3] == 1, v_unit = p.v_stride[3] == 1;
+  const Dropout drop(p.dropout_p, p.dropout_seed);
+
+  for (int64_t jb = t.keys.lo / kKeyBlock * kKeyBlock; jb < t.keys.hi; jb += kKeyBlock) {
+    const KeyBlock k = MakeBlock(p, t, jb);
+    if (k.kind == BlockKind::kSkip) continue;
+    if (k_unit) {
+      ScoresBlock<true>(d, qt, M, t.nvec, kbase, p.k_stride[2], 1, k.a, k.n, p.kv_len, D, st);
+    } else {
+      ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
+    }
+    if (k.kind == BlockKind::kPartial || p.bias) MaskBlock(d, p, t, k, st);
+
+    // Online softmax, one vector of rows at a time; four partial maxima and sums per vector
+    // keep the dependency chains short (k.n is a multiple of 4).
+    for (size_t rv = 0; rv < t.nvec; ++rv) {
+      const auto m_old = hn::Load(d, m + rv * N);
+      auto mx0 = m_old, mx1 = m_old, mx2 = m_old, mx3 = m_old;
+      for (int64_t j = 0; j < k.n; j += 4) {
+        const float* s = st + j * M + rv * N;
+        mx0 = hn::Max(mx0, hn::Load(d, s));
+        mx1 = hn::Max(mx1, hn::Load(d, s + M));
+        mx2 = hn::Max(mx2, hn::Load(d, s + 2 * M));
+        mx3 = hn::Max(mx3, hn::Load(d, s + 3 * M));
+      }
+      const auto mx = hn::Max(hn::Max(mx0, mx1), hn::Max(mx2, mx3));
+      const auto none = hn::Eq(mx, hn::Set(d, kNegInf));  // nothing visible yet: keep O, P = 0
+      const auto m_safe = hn::IfThenElse(none, hn::Zero(d), mx);
+      const auto a = hn::IfThenElse(none, hn::Set(d, 1.0f), Exp2(d, hn::Sub(m_old, mx)));
+      auto sum0 = hn::Zero(d), sum1 = hn::Zero(d), sum2 = hn::Zero(d), sum3 = hn::Zero(d);
+      for (int64_t j = 0; j < k.n; j += 4) {
+        float* s = st + j * M + rv * N;
+        const auto e0 = Exp2(d, hn::Sub(hn::Load(d, s), m_safe));
+        const auto e1 = Exp2(d, hn::Sub(hn::Load(d, s + M), m_safe));
+        const auto e2 = Exp2(d, hn::Sub(hn::Load(d, s + 2 * M), m_safe));
+        const auto e3 = Exp2(d, hn::Sub(hn::Load(d, s + 3 * M), m_safe));
+        hn::Store(e0, d, s);
+        hn::Store(e1, d, s + M);
+        hn::Store(e2, d, s + 2 * M);
+        hn::Store(e3, d, s + 3 * M);
+        sum0 = hn::Add(sum0, e0);
+        sum1 = hn::Add(sum1, e1);
+        sum2 = hn::Add(sum2, e2);
+        sum3 = hn::Add(sum3, e3);
+      }
+      const auto sum = hn::Add(hn::Add(sum0, sum1), hn::Add(sum2, sum3));
+      hn::Store(hn::MulAdd(hn::Load(d, l + rv * N), a, sum), d, l + rv * N);
+      hn::Store(mx, d, m + rv * N);
+      hn::Store(a, d, alpha + rv * N);
+    }
+    if (drop.active()) DropBlock(p, drop, t, k, st);
+
+    const size_t jn = static_cast<size_t>(k.nv);
+    const float* vblk = vbase + k.a * p.v_stride[2];
+    if (v_unit) {
+      OutputBlock<true>(d, st, M, t.nvec, vblk, p.v_stride[2], 1, jn, Dv, alpha, ot);
+    } else {
+      OutputBlock<false>(d, st, M, t.nvec, vblk, p.v_stride[2], p.v_stride[3], jn, Dv, alpha, ot);
+    }
+  }
+
+  // out = Ot / l; fully masked rows (l = 0) give zeros and LSE = -inf.
+  float* inv = alpha;  // alpha is free now
+  for (size_t r = 0; r < M; ++r) inv[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+  WriteRows(d, p, t, ot, inv);
+  for (size_t r = 0; r < M; ++r) {
+    if (!t.valid[r]) continue;
+    const int64_t h = t.head[r], i = t.query[r];
+    const float l2 = l[r] == 0.0f ? kNegInf : m[r] + std::log2(l[r]);
+    if (p.lse) p.lse[c.b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = l2 * kLn2;
+    if (lse2) lse2[(c.b * p.q_heads + h) * p.q_len + i] = l2;
+  }
+}
+
+}  // namespace
+
+void FlashForward(const AttentionParams& p, float* lse2, int num_threads) {
+  const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
+  parallel_for(plan.tasks(), num_threads, [&](int64_t i) {
+    // Start loading what the next tasks read first: their query and output rows, and a slice
+    // of the next head's K and V (the first task of a head would otherwise wait on memory).
+    for (int64_t ahead = i + 1; ahead < std::min(plan.tasks(), i + 3); ++ahead)
+      PrefetchRows(p, plan, task_coords(p, plan, plan.order[ahead]));
+    PrefetchNextHead(p, plan, task_coords(p, plan, plan.order[i]));
+    ForwardTask(p, plan, plan.order[i], lse2);
+  });
+}
+
+std::string FlashForwardName() {
+  return std::string("flash_fwd_f32_") + hwy::TargetName(HWY_TARGET) + "_r" + std::to_string(kTargetRows) + "_k" +
+         std::to_string(kKeyBlock);
+}
+
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace mha::kernels {
+
+HWY_EXPORT(FlashForward);
+HWY_EXPORT(FlashForwardName);
+
+void flash_forward(const AttentionParams& p, float* lse2, int num_threads) {
+  HWY_DYNAMIC_DISPATCH(FlashForward)(p, lse2, num_threads);
+}
+
+std::string flash_forward_name() { return HWY_DYNAMIC_DISPATCH(FlashForwardName)(); }
+
+}  // namespace mha::kernels
+#endif  // HWY_ONCE

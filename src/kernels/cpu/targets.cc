@@ -1,0 +1,33 @@
+// Which SIMD targets the fast kernels were compiled for and may run here.
+#include <hwy/targets.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/flash.h"
+#include "util/check.h"
+
+namespace mha::kernels {
+
+std::vector<std::string> simd_targets() {
+  std::vector<std::string> names;
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) names.emplace_back(hwy::TargetName(t));
+  return names;
+}
+
+void force_simd_target(const std::string& name) {
+  if (name.empty()) {
+    hwy::SetSupportedTargetsForTest(0);
+    return;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) {
+    if (name == hwy::TargetName(t)) {
+      hwy::SetSupportedTargetsForTest(t);
+      return;
+    }
+  }
+  throw Error(fmt::format("unknown or unsupported SIMD target '{}'", name));
+}
+
+}  // namespace mha::kernels

@@ -1,0 +1,323 @@
+// The fast attention kernels against the float64 reference, on every SIMD target compiled in.
+// Bound (docs/numerics.md): err(fast) <= 2 · err(plain float32) + 4u, errors norm-wise relative
+// to the float64 reference, u = 2^-24.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "kernels/cpu/flash.h"
+#include "kernels/ref/attention_ref.h"
+#include "mha/attention.h"
+#include "ops/attention_params.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+constexpr double kU = 1.0 / (1 << 24);
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Runs every test body once per SIMD target (AVX3, AVX2, SCALAR ...), restoring the default.
+class FlashTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { kernels::force_simd_target(GetParam()); }
+  void TearDown() override { kernels::force_simd_target(""); }
+};
+
+std::string target_name(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
+
+struct Problem {
+  int64_t B = 1, Hq = 2, Hkv = 2, Tq = 1, Tk = 1, D = 8, Dv = 8;
+  bool bthd = false;  // (B, T, H, D) memory seen through strides
+  Tensor q, k, v, keep, bias, lengths;
+  AttentionInputs in;
+  AttentionOptions opt;
+
+  void make(Rng& rng) {
+    auto view = [&](int64_t H, int64_t T, int64_t Dd, Tensor* t) {
+      if (!bthd) {
+        *t = random_tensor(rng, {B, H, T, Dd});
+        return View<const float>(t->data<float>(), {B, H, T, Dd});
+      }
+      *t = random_tensor(rng, {B, T, H, Dd});
+      return View<const float>(t->data<float>(), {B, H, T, Dd}, {T * H * Dd, Dd, H * Dd, 1});
+    };
+    in.query = view(Hq, Tq, D, &q);
+    in.key = view(Hkv, Tk, D, &k);
+    in.value = view(Hkv, Tk, Dv, &v);
+  }
+  std::string describe() const {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld D=%ld Dv=%ld causal=%d window=%ld drop=%g",
+                  (long)B, (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal,
+                  (long)opt.window, opt.dropout_p);
+    return buf + std::string(in.keep_mask.given() ? " keep" : "") + (in.bias.given() ? " bias" : "") +
+           (in.key_lengths.given() ? " lengths" : "") + (bthd ? " bthd" : "");
+  }
+};
+
+struct Outputs {
+  Tensor out, lse, weights;
+  Outputs(const Problem& p, int weights_rank) {
+    out = Tensor(DType::kF32, {p.B, p.Hq, p.Tq, p.Dv});
+    lse = Tensor(DType::kF32, {p.B, p.Hq, p.Tq});
+    if (weights_rank == 4) weights = Tensor(DType::kF32, {p.B, p.Hq, p.Tq, p.Tk});
+    if (weights_rank == 3) weights = Tensor(DType::kF32, {p.B, p.Tq, p.Tk});
+  }
+  AttentionOutputs views() {
+    return {out.view<float>(), lse.view<float>(), weights.defined() ? weights.view<float>() : View<float>()};
+  }
+};
+
+// The reference templated on float: the plain float32 implementation.
+void run_plain(const Problem& pr, Outputs& o) {
+  const kernels::AttentionParams p = ops::make_attention_params(pr.in, o.views(), pr.opt);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t i = 0; i < p.q_len; ++i) kernels::attention_ref_row<float>(p, b, i);
+}
+
+// max |x - ref| over finite ref entries, and equal placement of NaN / infinities.
+double abs_error(const Tensor& got, const Tensor& ref) {
+  double e = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i) {
+    const float g = got.data<float>()[i], r = ref.data<float>()[i];
+    if (std::isnan(r) || std::isinf(r)) {
+      if (!(std::isnan(r) ? std::isnan(g) : g == r)) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    const double d = std::fabs(static_cast<double>(g) - r);
+    e = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(e, d);
+  }
+  return e;
+}
+
+double finite_max_abs(const Tensor& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (std::isfinite(t.data<float>()[i])) m = std::max(m, std::fabs(static_cast<double>(t.data<float>()[i])));
+  return m;
+}
+
+// Checks the fast path against the float64 reference with the 2x-plain rule, for out, lse
+// and (if weights_rank) the weights.
+void check(Problem& pr, int weights_rank = 0) {
+  SCOPED_TRACE(pr.describe());
+  if (std::getenv("MHA_TEST_VERBOSE")) std::fprintf(stderr, "check %s\n", pr.describe().c_str());
+  Outputs fast(pr, weights_rank), ref(pr, weights_rank), plain(pr, weights_rank);
+  AttentionOptions fo = pr.opt, ro = pr.opt;
+  fo.backend = Backend::kFast;
+  ro.backend = Backend::kReference;
+  attention(pr.in, fast.views(), fo);
+  attention(pr.in, ref.views(), ro);
+  run_plain(pr, plain);
+  auto expect_bound = [&](const Tensor& f, const Tensor& r, const Tensor& pl, const char* what) {
+    const double scale = std::max(finite_max_abs(r), 1e-30);
+    const double ef = abs_error(f, r) / scale, ep = abs_error(pl, r) / scale;
+    EXPECT_LE(ef, 2 * ep + 4 * kU) << what << ": fast " << ef << " vs plain float32 " << ep;
+  };
+  expect_bound(fast.out, ref.out, plain.out, "out");
+  expect_bound(fast.lse, ref.lse, plain.lse, "lse");
+  if (weights_rank) expect_bound(fast.weights, ref.weights, plain.weights, "weights");
+}
+
+TEST_P(FlashTest, SequenceLengthsAroundTileEdges) {
+  Rng rng(base_seed() + 10);
+  for (int64_t T : {1, 2, 47, 48, 49, 63, 64, 65, 97, 113, 257, 1025}) {
+    for (Causal c : {Causal::kNone, Causal::kTopLeft}) {
+      Problem p;
+      p.Tq = p.Tk = T;
+      p.D = p.Dv = 64;
+      p.opt.causal = c;
+      p.make(rng);
+      check(p);
+    }
+  }
+}
+
+TEST_P(FlashTest, HeadDims) {
+  Rng rng(base_seed() + 11);
+  for (int64_t D : {1, 3, 8, 16, 32, 33, 64, 80, 96, 128, 256}) {
+    Problem p;
+    p.Tq = 65;
+    p.Tk = 113;
+    p.D = D;
+    p.Dv = D;
+    p.make(rng);
+    check(p);
+    Problem q;  // Dqk != Dv
+    q.Tq = q.Tk = 70;
+    q.D = D;
+    q.Dv = D % 7 + 5;
+    q.opt.causal = Causal::kBottomRight;
+    q.make(rng);
+    check(q);
+  }
+}
+
+TEST_P(FlashTest, GroupedQueryRatiosAndAlignments) {
+  Rng rng(base_seed() + 12);
+  for (int64_t G : {1, 2, 4, 8}) {
+    for (Causal c : {Causal::kNone, Causal::kTopLeft, Causal::kBottomRight}) {
+      for (auto [Tq, Tk] : {std::pair<int64_t, int64_t>{33, 97}, {97, 33}, {1, 130}, {64, 64}}) {
+        Problem p;
+        p.B = 2;
+        p.Hkv = 2;
+        p.Hq = 2 * G;
+        p.Tq = Tq;
+        p.Tk = Tk;
+        p.D = 32;
+        p.Dv = 24;
+        p.bthd = true;
+        p.opt.causal = c;
+        p.make(rng);
+        check(p);
+      }
+    }
+  }
+}
+
+TEST_P(FlashTest, MasksWithFullyMaskedRowsAndBlocks) {
+  Rng rng(base_seed() + 13);
+  Problem p;
+  p.B = 2;
+  p.Hq = 4;
+  p.Hkv = 2;
+  p.Tq = 100;
+  p.Tk = 200;
+  p.D = p.Dv = 16;
+  p.make(rng);
+  p.keep = random_mask(rng, {p.B, 1, p.Tq, p.Tk}, 0.6);
+  uint8_t* m = p.keep.data<uint8_t>();
+  for (int64_t j = 0; j < p.Tk; ++j) m[5 * p.Tk + j] = 0;            // row 5 of batch 0: fully masked
+  for (int64_t i = 0; i < p.Tq; ++i)
+    for (int64_t j = 64; j < 128; ++j) m[i * p.Tk + j] = 0;           // a fully masked key block
+  for (int64_t i = 0; i < 48; ++i)
+    for (int64_t j = 128; j < 192; ++j) m[(p.Tq + i) * p.Tk + j] = 1;  // a fully kept block
+  p.in.keep_mask = p.keep.view<uint8_t>();
+  check(p, 4);
+  p.bias = random_tensor(rng, {p.Hq, 1, p.Tk});
+  p.in.bias = p.bias.view<float>();
+  p.lengths = Tensor(DType::kI32, {p.B});
+  p.lengths.data<int32_t>()[0] = 150;
+  p.lengths.data<int32_t>()[1] = 0;  // batch 1: every row fully masked
+  p.in.key_lengths = p.lengths.view<int32_t>();
+  p.opt.causal = Causal::kBottomRight;
+  p.opt.window = 40;
+  check(p, 3);
+  // Fully masked rows: zeros, LSE -inf.
+  Outputs o(p, 0);
+  attention(p.in, o.views(), p.opt);
+  for (int64_t x = 0; x < p.Hq * p.Tq * p.Dv; ++x) ASSERT_EQ(o.out.data<float>()[p.Hq * p.Tq * p.Dv + x], 0.0f);
+  for (int64_t x = 0; x < p.Hq * p.Tq; ++x) ASSERT_EQ(o.lse.data<float>()[p.Hq * p.Tq + x], -kInf);
+}
+
+TEST_P(FlashTest, RandomProblems) {
+  const uint64_t seed = base_seed() + 14;
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with MHA_TEST_SEED)");
+  Rng rng(seed);
+  const int trials = GetParam() == "SCALAR" ? 30 : 120;
+  for (int trial = 0; trial < trials; ++trial) {
+    Problem p;
+    p.B = rng.range(1, 2);
+    p.Hkv = rng.range(1, 3);
+    p.Hq = p.Hkv * rng.range(1, 4);
+    p.Tq = rng.range(1, 150);
+    p.Tk = rng.coin(0.3) ? p.Tq : rng.range(1, 150);
+    p.D = rng.range(1, 72);
+    p.Dv = rng.coin(0.5) ? p.D : rng.range(1, 72);
+    p.bthd = rng.coin(0.5);
+    p.make(rng);
+    const std::vector<int64_t> full = {p.B, p.Hq, p.Tq, p.Tk};
+    auto bshape = [&] {
+      const int rank = static_cast<int>(rng.range(1, 4));
+      std::vector<int64_t> s(full.end() - rank, full.end());
+      for (auto& x : s)
+        if (rng.coin(0.4)) x = 1;
+      return s;
+    };
+    if (rng.coin(0.3)) {
+      p.keep = random_mask(rng, bshape(), rng.coin(0.5) ? 0.9 : 0.3);
+      p.in.keep_mask = p.keep.view<uint8_t>();
+    }
+    if (rng.coin(0.3)) {
+      p.bias = random_tensor(rng, bshape());
+      p.in.bias = p.bias.view<float>();
+    }
+    if (rng.coin(0.3)) {
+      p.lengths = Tensor(DType::kI32, {p.B});
+      for (int64_t b = 0; b < p.B; ++b) p.lengths.data<int32_t>()[b] = static_cast<int32_t>(rng.range(0, p.Tk));
+      p.in.key_lengths = p.lengths.view<int32_t>();
+    }
+    p.opt.causal = static_cast<Causal>(rng.range(0, 2));
+    if (p.opt.causal != Causal::kNone && rng.coin(0.3)) p.opt.window = rng.range(1, 80);
+    if (rng.coin(0.2)) p.opt.dropout_p = 0.25f, p.opt.dropout_seed = rng.next();
+    if (rng.coin(0.2)) p.opt.scale = static_cast<float>(rng.uniform());
+    check(p, static_cast<int>(rng.range(0, 2)) == 0 ? 0 : (rng.coin(0.5) ? 3 : 4));
+  }
+}
+
+TEST_P(FlashTest, NonUnitInnerStrides) {
+  Rng rng(base_seed() + 15);
+  // K and V whose head dimension is strided (every other float).
+  Problem p;
+  p.Tq = 70;
+  p.Tk = 90;
+  p.D = 12;
+  p.Dv = 10;
+  p.make(rng);
+  Tensor k2 = random_tensor(rng, {1, 2, 90, 24}), v2 = random_tensor(rng, {1, 2, 90, 20});
+  p.in.key = View<const float>(k2.data<float>(), {1, 2, 90, 12}, {2 * 90 * 24, 90 * 24, 24, 2});
+  p.in.value = View<const float>(v2.data<float>(), {1, 2, 90, 10}, {2 * 90 * 20, 90 * 20, 20, 2});
+  check(p, 4);
+}
+
+TEST_P(FlashTest, SameBitsForOneAndTwoThreads) {
+  Rng rng(base_seed() + 16);
+  Problem p;
+  p.B = 2;
+  p.Hq = 6;
+  p.Hkv = 3;
+  p.Tq = 300;
+  p.Tk = 260;
+  p.D = p.Dv = 40;
+  p.opt.causal = Causal::kBottomRight;
+  p.opt.dropout_p = 0.1f;
+  p.opt.dropout_seed = 7;
+  p.make(rng);
+  Outputs a(p, 3), b(p, 3);
+  p.opt.num_threads = 1;
+  attention(p.in, a.views(), p.opt);
+  p.opt.num_threads = 2;
+  attention(p.in, b.views(), p.opt);
+  EXPECT_TRUE(bitwise_equal(a.out, b.out));
+  EXPECT_TRUE(bitwise_equal(a.lse, b.lse));
+  EXPECT_TRUE(bitwise_equal(a.weights, b.weights));
+}
+
+TEST_P(FlashTest, NaNPropagatesInfinitiesBehave) {
+  Rng rng(base_seed() + 17);
+  Problem p;
+  p.Tq = 5;
+  p.Tk = 70;
+  p.make(rng);
+  p.q.data<float>()[2 * 8 + 1] = std::nanf("");  // head 0, row 2
+  Outputs o(p, 0);
+  attention(p.in, o.views(), p.opt);
+  for (int64_t d = 0; d < 8; ++d) EXPECT_TRUE(std::isnan(o.out.data<float>()[2 * 8 + d]));
+  EXPECT_TRUE(std::isnan(o.lse.data<float>()[2]));
+  EXPECT_FALSE(std::isnan(o.out.data<float>()[0]));
+  // Large logits (±1e4 after scaling) do not overflow.
+  Problem big;
+  big.Tq = 3;
+  big.Tk = 80;
+  big.make(rng);
+  big.opt.scale = 1e4f;
+  check(big);
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, FlashTest, ::testing::ValuesIn(kernels::simd_targets()), target_name);
+
+}  // namespace
+}  // namespace mha::test

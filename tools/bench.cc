@@ -1,0 +1,22 @@
+// mha bench: the benchmark suite without a peer (mha_bench built with libtorch adds PyTorch).
+#include <cstdio>
+
+#include "bench/suite.h"
+#include "tools/commands.h"
+
+namespace mha::tools {
+
+int run_bench(const BenchArgs& args) {
+  bench::Options o;
+  o.threads = args.threads;
+  o.seconds = args.seconds;
+  o.csv = args.csv;
+  o.json = args.json;
+  const double peak = bench::measure_peak_gflops(o.threads);
+  const auto rows = bench::run_suites(o, nullptr, args.sweep);
+  bench::report(rows, peak, o, nullptr);
+  std::printf("(PyTorch columns: build mha_bench with libtorch, see bench/README.md)\n");
+  return 0;
+}
+
+}  // namespace mha::tools
