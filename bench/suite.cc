@@ -110,6 +110,42 @@ double time_mha_module(const ModuleCase& c, int threads, double seconds) {
   return time_calls([&] { m.forward(in); }, seconds);
 }
 
+namespace {
+
+// VmHWM (peak resident set) in MiB; resettable through /proc/self/clear_refs.
+double peak_rss_mib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return -1;
+}
+
+void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+}  // namespace
+
+double memory_check(int threads, bool causal) {
+  const int64_t B = 1, H = 8, T = 32768, D = 64;
+  Tensor q = filled({B, H, T, D}, 1.0f), k = filled({B, H, T, D}, 1.0f), v = filled({B, H, T, D}, 1.0f);
+  Tensor out(DType::kF32, {B, H, T, D});
+  reset_peak_rss();
+  const double before = peak_rss_mib();
+  AttentionOptions opt;
+  opt.num_threads = threads;
+  opt.causal = causal ? Causal::kTopLeft : Causal::kNone;
+  const auto start = std::chrono::steady_clock::now();
+  attention({q.view<float>(), k.view<float>(), v.view<float>()}, {out.view<float>()}, opt);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double after = peak_rss_mib();
+  const double io = 4.0 * static_cast<double>(q.nbytes()) / (1 << 20);
+  fmt::print("memory: (1, 8, 32768, 64){} in {:.2f} s: peak RSS {:.1f} MiB with {:.1f} MiB of inputs and outputs "
+             "resident before the call; the call added {:.1f} MiB\n",
+             causal ? " causal" : "", s, after, io, after - before);
+  return after - before;
+}
+
 std::vector<Row> run_suites(const Options& o, const Peer* peer, bool sweep) {
   std::vector<AttentionCase> att = standard_attention_cases();
   if (sweep) {

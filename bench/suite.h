@@ -56,6 +56,10 @@ std::vector<ModuleCase> standard_module_cases();
 double time_mha_attention(const AttentionCase& c, int threads, double seconds);
 double time_mha_module(const ModuleCase& c, int threads, double seconds);
 
+// Peak resident memory of one attention call at (1, 8, 32768, 64), beyond its inputs and
+// outputs (which are allocated and touched first). Prints and returns the extra MiB.
+double memory_check(int threads, bool causal);
+
 // Runs the cases, printing progress to stderr, then the table to stdout; writes CSV/JSON if asked.
 std::vector<Row> run_suites(const Options& options, const Peer* peer, bool sweep);
 void report(const std::vector<Row>& rows, double peak_gflops, const Options& options, const Peer* peer);

@@ -6,8 +6,10 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <thread>
 
 #include "kernels/cpu/flash.h"
+#include "kernels/workspace.h"
 #include "kernels/ref/attention_ref.h"
 #include "mha/attention.h"
 #include "ops/attention_params.h"
@@ -318,6 +320,35 @@ TEST_P(FlashTest, NaNPropagatesInfinitiesBehave) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, FlashTest, ::testing::ValuesIn(kernels::simd_targets()), target_name);
+
+}  // namespace
+}  // namespace mha::test
+
+namespace mha::test {
+namespace {
+
+// Memory is O((D + Dv + key block) · rows) per thread: the scratch does not grow with T.
+TEST(FlashMemory, ScratchDoesNotGrowWithSequenceLength) {
+  auto run = [](int64_t T) {
+    Rng rng(1);
+    const Tensor q = random_tensor(rng, {1, 2, T, 64}), k = random_tensor(rng, {1, 2, T, 64});
+    Tensor out(DType::kF32, {1, 2, T, 64});
+    AttentionOptions opt;
+    opt.num_threads = 1;  // runs on this thread, so its workspace is the one measured
+    opt.causal = Causal::kTopLeft;
+    attention({q.view<float>(), k.view<float>(), k.view<float>()}, {out.view<float>()}, opt);
+    return kernels::Workspace::local().bytes();
+  };
+  // In a fresh thread, so the workspace starts empty whatever ran before.
+  size_t small = 0, large = 0;
+  std::thread([&] {
+    small = run(256);
+    large = run(8192);
+  }).join();
+  EXPECT_GT(small, 0u);
+  EXPECT_EQ(small, large);
+  EXPECT_LT(large, size_t{1} << 20);
+}
 
 }  // namespace
 }  // namespace mha::test

@@ -12,6 +12,11 @@ int run_bench(const BenchArgs& args) {
   o.seconds = args.seconds;
   o.csv = args.csv;
   o.json = args.json;
+  if (args.memory) {
+    bench::memory_check(o.threads, false);
+    bench::memory_check(o.threads, true);
+    return 0;
+  }
   const double peak = bench::measure_peak_gflops(o.threads);
   const auto rows = bench::run_suites(o, nullptr, args.sweep);
   bench::report(rows, peak, o, nullptr);

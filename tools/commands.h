@@ -23,6 +23,7 @@ struct BenchArgs {
   int threads = 2;
   double seconds = 0.5;
   bool sweep = false;
+  bool memory = false;
   std::string csv, json;
 };
 

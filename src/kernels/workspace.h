@@ -35,6 +35,13 @@ class Workspace {
     return static_cast<T*>(data_[slot]);
   }
 
+  // Bytes this thread's workspace holds now.
+  size_t bytes() const {
+    size_t total = 0;
+    for (size_t s : size_) total += s;
+    return total;
+  }
+
   ~Workspace() {
     for (void* p : data_) std::free(p);
   }

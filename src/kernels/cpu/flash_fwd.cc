@@ -70,36 +70,6 @@ void OutputBlock(DF d, const float* st, size_t ldq, size_t nvec, const float* v,
   }
 }
 
-// Starts loading a task's query rows and output rows (the first touch of them would otherwise
-// stall the packing and the write-back).
-void PrefetchRows(const AttentionParams& p, const FlashPlan& plan, const TaskCoords& c) {
-  const int64_t i0 = c.qb * plan.q_per_task, i1 = std::min(p.q_len, i0 + plan.q_per_task);
-  for (int64_t g = 0; g < p.group(); ++g) {
-    const int64_t h = c.hk * p.group() + g;
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* q = p.q + c.b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
-      float* o = p.out + c.b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-      for (int64_t x = 0; x < p.qk_dim * p.q_stride[3]; x += 16) __builtin_prefetch(q + x, 0);
-      for (int64_t x = 0; x < p.v_dim * p.out_stride[3]; x += 16) __builtin_prefetch(o + x, 1);
-    }
-  }
-}
-
-// Prefetches slice qb of the next (batch, kv head)'s K and V rows: the query blocks of one head
-// together load all of the next one while they compute.
-void PrefetchNextHead(const AttentionParams& p, const FlashPlan& plan, const TaskCoords& c) {
-  const int64_t next = c.b * p.kv_heads + c.hk + 1;
-  if (next >= p.batch * p.kv_heads) return;
-  const int64_t b = next / p.kv_heads, hk = next % p.kv_heads;
-  const float* k = p.k + b * p.k_stride[0] + hk * p.k_stride[1];
-  const float* v = p.v + b * p.v_stride[0] + hk * p.v_stride[1];
-  const int64_t j0 = c.qb * p.kv_len / plan.q_blocks, j1 = (c.qb + 1) * p.kv_len / plan.q_blocks;
-  for (int64_t j = j0; j < j1; ++j) {
-    for (int64_t x = 0; x < p.qk_dim * p.k_stride[3]; x += 16) __builtin_prefetch(k + j * p.k_stride[2] + x, 0, 2);
-    for (int64_t x = 0; x < p.v_dim * p.v_stride[3]; x += 16) __builtin_prefetch(v + j * p.v_stride[2] + x, 0, 2);
-  }
-}
-
 // out[row r][c] = Ot[c][r] · inv[r] for the valid rows, N×N blocks through a transpose.
 void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* ot, const float* inv) {
   const size_t N = hn::Lanes(d), M = t.mpad, Dv = static_cast<size_t>(p.v_dim);
@@ -230,14 +200,7 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
 
 void FlashForward(const AttentionParams& p, float* lse2, int num_threads) {
   const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
-  parallel_for(plan.tasks(), num_threads, [&](int64_t i) {
-    // Start loading what the next tasks read first: their query and output rows, and a slice
-    // of the next head's K and V (the first task of a head would otherwise wait on memory).
-    for (int64_t ahead = i + 1; ahead < std::min(plan.tasks(), i + 3); ++ahead)
-      PrefetchRows(p, plan, task_coords(p, plan, plan.order[ahead]));
-    PrefetchNextHead(p, plan, task_coords(p, plan, plan.order[i]));
-    ForwardTask(p, plan, plan.order[i], lse2);
-  });
+  parallel_for(plan.tasks(), num_threads, [&](int64_t i) { ForwardTask(p, plan, plan.order[i], lse2); });
 }
 
 std::string FlashForwardName() {
