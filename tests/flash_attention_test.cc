@@ -260,6 +260,47 @@ TEST_P(FlashTest, RandomProblems) {
   }
 }
 
+// Few query rows per kv head run the decode kernel (keys in lanes, split over chunks).
+TEST_P(FlashTest, DecodeShapes) {
+  Rng rng(base_seed() + 18);
+  for (int64_t G : {1, 2, 4, 8, 16}) {
+    for (int64_t Tq : {1, 2, 3}) {
+      if (G * Tq > 16) continue;
+      for (int64_t Tk : {1, 17, 300, 3000}) {
+        Problem p;
+        p.B = 2;
+        p.Hkv = 2;
+        p.Hq = 2 * G;
+        p.Tq = Tq;
+        p.Tk = std::max(Tk, Tq);
+        p.D = Tk == 300 ? 33 : 64;
+        p.Dv = Tk == 17 ? 20 : p.D;
+        p.bthd = Tk == 300;
+        p.opt.causal = Causal::kBottomRight;
+        p.make(rng);
+        check(p);
+      }
+    }
+  }
+  // Key lengths and a sliding window; one kv head, so the keys are split into chunks.
+  Problem p;
+  p.Hq = 4;
+  p.Hkv = 1;
+  p.Tq = 1;
+  p.Tk = 5000;
+  p.D = p.Dv = 96;
+  p.make(rng);
+  p.lengths = Tensor(DType::kI32, {1});
+  p.lengths.data<int32_t>()[0] = 4321;
+  p.in.key_lengths = p.lengths.view<int32_t>();
+  p.opt.causal = Causal::kBottomRight;
+  check(p);
+  p.opt.window = 700;
+  check(p);
+  p.lengths.data<int32_t>()[0] = 0;  // nothing to see: zeros, LSE -inf
+  check(p);
+}
+
 TEST_P(FlashTest, NonUnitInnerStrides) {
   Rng rng(base_seed() + 15);
   // K and V whose head dimension is strided (every other float).
@@ -296,6 +337,23 @@ TEST_P(FlashTest, SameBitsForOneAndTwoThreads) {
   EXPECT_TRUE(bitwise_equal(a.out, b.out));
   EXPECT_TRUE(bitwise_equal(a.lse, b.lse));
   EXPECT_TRUE(bitwise_equal(a.weights, b.weights));
+
+  // Decoding one kv head: its keys are split into chunks merged in a fixed order.
+  Problem dec;
+  dec.Hq = 8;
+  dec.Hkv = 1;
+  dec.Tq = 1;
+  dec.Tk = 4000;
+  dec.D = dec.Dv = 64;
+  dec.opt.causal = Causal::kBottomRight;
+  dec.make(rng);
+  Outputs c(dec, 0), e(dec, 0);
+  dec.opt.num_threads = 1;
+  attention(dec.in, c.views(), dec.opt);
+  dec.opt.num_threads = 2;
+  attention(dec.in, e.views(), dec.opt);
+  EXPECT_TRUE(bitwise_equal(c.out, e.out));
+  EXPECT_TRUE(bitwise_equal(c.lse, e.lse));
 }
 
 TEST_P(FlashTest, NaNPropagatesInfinitiesBehave) {

@@ -1,36 +1,43 @@
 // mha info: this CPU's SIMD features and the kernel variants that run on it.
 #include <fmt/format.h>
 #include <oneapi/dnnl/dnnl.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#include <utility>
 
 #include "kernels/cpu/flash.h"
 #include "tools/commands.h"
 #include "util/parallel.h"
 
 namespace mha::tools {
+namespace {
+
+#if defined(__x86_64__)
+// AVX512_BF16: CPUID leaf 7, sub-leaf 1, EAX bit 5 (not every compiler's
+// __builtin_cpu_supports knows it).
+bool cpuid_avx512_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+}
+#endif
+
+}  // namespace
 
 int run_info() {
   fmt::print("mha {}\n", MHA_VERSION);
   std::string features;
-  for (const char* f : {"sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-                        "avx512vnni", "avx512bf16"}) {
 #if defined(__x86_64__)
-    // __builtin_cpu_supports needs literal names; test the common ones explicitly.
-    bool has = false;
-    const std::string name = f;
-    if (name == "sse4.2") has = __builtin_cpu_supports("sse4.2");
-    if (name == "avx") has = __builtin_cpu_supports("avx");
-    if (name == "avx2") has = __builtin_cpu_supports("avx2");
-    if (name == "fma") has = __builtin_cpu_supports("fma");
-    if (name == "f16c") has = __builtin_cpu_supports("f16c");
-    if (name == "avx512f") has = __builtin_cpu_supports("avx512f");
-    if (name == "avx512bw") has = __builtin_cpu_supports("avx512bw");
-    if (name == "avx512dq") has = __builtin_cpu_supports("avx512dq");
-    if (name == "avx512vl") has = __builtin_cpu_supports("avx512vl");
-    if (name == "avx512vnni") has = __builtin_cpu_supports("avx512vnni");
-    if (name == "avx512bf16") has = __builtin_cpu_supports("avx512bf16");
-    if (has) features += std::string(features.empty() ? "" : " ") + f;
+  const std::pair<const char*, bool> flags[] = {
+      {"sse4.2", __builtin_cpu_supports("sse4.2")},     {"avx", __builtin_cpu_supports("avx")},
+      {"avx2", __builtin_cpu_supports("avx2")},         {"fma", __builtin_cpu_supports("fma")},
+      {"avx512f", __builtin_cpu_supports("avx512f")},   {"avx512bw", __builtin_cpu_supports("avx512bw")},
+      {"avx512dq", __builtin_cpu_supports("avx512dq")}, {"avx512vl", __builtin_cpu_supports("avx512vl")},
+      {"avx512vnni", __builtin_cpu_supports("avx512vnni")}, {"avx512bf16", cpuid_avx512_bf16()}};
+  for (const auto& [name, has] : flags)
+    if (has) features += std::string(features.empty() ? "" : " ") + name;
 #endif
-  }
   fmt::print("cpu features:      {}\n", features.empty() ? "(none detected)" : features);
   std::string targets;
   for (const auto& t : kernels::simd_targets()) targets += (targets.empty() ? "" : ", ") + t;

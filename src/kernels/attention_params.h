@@ -30,6 +30,9 @@ struct AttentionParams {
 
   float scale = 1.0f;
   Causal causal = Causal::kNone;
+  // Internal (KV caches): if set, query i of batch b sits at key position i + causal_offset[b],
+  // overriding the alignment (top-left: 0, bottom-right: L_b - Tq). Needs causal != kNone.
+  const int64_t* causal_offset = nullptr;
   int64_t window = 0;
   float dropout_p = 0.0f;
   uint64_t dropout_seed = 0;
@@ -55,7 +58,10 @@ inline KeyRange visible_keys(const AttentionParams& p, int64_t b, int64_t i) {
   const int64_t len = p.key_length(b);
   int64_t lo = 0, hi = len;
   if (p.causal != Causal::kNone) {
-    const int64_t last = i + (p.causal == Causal::kBottomRight ? len - p.q_len : 0);
+    const int64_t offset = p.causal_offset           ? p.causal_offset[b]
+                           : p.causal == Causal::kBottomRight ? len - p.q_len
+                                                              : 0;
+    const int64_t last = i + offset;
     hi = std::min(hi, last + 1);
     if (p.window > 0) lo = std::max<int64_t>(0, last - p.window + 1);
   }

@@ -209,6 +209,11 @@ MultiHeadAttention MultiHeadAttention::from_state_dict(const StateDict& sd, cons
       rows[p] = s[0], cols[p] = s[1];
     }
   }
+  const char* names[3] = {"query", "key", "value"};
+  for (int p = 0; p < 3; ++p) {
+    MHA_CHECK(rows[p] > 0 && cols[p] > 0, "weights: the {} projection weight has an empty shape ({}, {})", names[p],
+              rows[p], cols[p]);
+  }
   MultiHeadAttentionConfig c = base;
   c.embed_dim = cols[0];
   c.kdim = cols[1];

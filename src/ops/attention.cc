@@ -1,6 +1,7 @@
 // attention(): argument checks, then kernel choice and the split over threads.
 #include "mha/attention.h"
 
+#include <new>
 #include <vector>
 
 #include "kernels/cpu/flash.h"
@@ -10,7 +11,9 @@
 
 namespace mha {
 
-void attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options) {
+namespace {
+
+void run_attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options) {
   const kernels::AttentionParams p = ops::make_attention_params(in, out, options);
   if (options.backend == Backend::kReference) {
     // One task per (b, query row); each task computes every head of its row.
@@ -19,10 +22,25 @@ void attention(const AttentionInputs& in, const AttentionOutputs& out, const Att
     });
     return;
   }
+  if (kernels::decode_applies(p)) {  // few query rows against many keys: bound by reading K/V
+    kernels::flash_decode(p, options.num_threads);
+    return;
+  }
   // The weights pass needs every row's final log-sum-exp: O(B·Hq·Tq) floats.
-  std::vector<float> lse2(p.weights ? static_cast<size_t>(p.batch * p.q_heads * p.q_len) : 0);
-  kernels::flash_forward(p, p.weights ? lse2.data() : nullptr, options.num_threads);
-  if (p.weights) kernels::flash_weights(p, lse2.data(), options.num_threads);
+  std::vector<float> row_lse(p.weights ? static_cast<size_t>(p.batch * p.q_heads * p.q_len) : 0);
+  kernels::flash_forward(p, p.weights ? row_lse.data() : nullptr, options.num_threads);
+  if (p.weights) kernels::flash_weights(p, row_lse.data(), options.num_threads);
+}
+
+}  // namespace
+
+void attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options) {
+  try {
+    run_attention(in, out, options);
+  } catch (const std::bad_alloc&) {
+    // Scratch memory (per thread, O(rows · (D + Dv + key block))) or the LSE buffer.
+    throw Error("attention: out of memory for scratch buffers (query " + shape_string(in.query) + ")");
+  }
 }
 
 }  // namespace mha

@@ -10,15 +10,22 @@
 
 namespace mha::kernels {
 
-// out (and lse) of p. lse2, if not null: (B, Hq, Tq) contiguous, receives the LSE in log2
-// units for the weights pass. Ignores p.weights.
-void flash_forward(const AttentionParams& p, float* lse2, int num_threads);
+// out (and lse) of p. row_lse, if not null: (B, Hq, Tq) contiguous, receives every row's LSE
+// for the weights pass. Ignores p.weights.
+void flash_forward(const AttentionParams& p, float* row_lse, int num_threads);
 
-// Writes p.weights (per head or averaged) from lse2 of flash_forward.
-void flash_weights(const AttentionParams& p, const float* lse2, int num_threads);
+// Writes p.weights (per head or averaged) from row_lse of flash_forward.
+void flash_weights(const AttentionParams& p, const float* row_lse, int num_threads);
 
 // "flash_fwd_f32_AVX3_r48_k64": the variant that runs on this CPU.
 std::string flash_forward_name();
+
+// Decoding: at most kMaxDecodeRows query rows per kv head (Tq · Hq/Hkv), no keep mask, bias,
+// dropout or weights, unit-stride K/V rows (decode_applies). Writes out and lse.
+inline constexpr int64_t kMaxDecodeRows = 16;
+bool decode_applies(const AttentionParams& p);
+void flash_decode(const AttentionParams& p, int num_threads);
+std::string flash_decode_name();
 
 // SIMD targets compiled in and supported here, best first ("AVX3", "AVX2", "EMU128"), and a
 // way to restrict dispatch to one of them (tests, benchmarks); "" restores the default.

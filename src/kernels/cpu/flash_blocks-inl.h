@@ -42,7 +42,6 @@ constexpr int64_t kTargetRows = 48;
 constexpr int64_t kKeyBlock = 64;
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // St rows 0 .. n (keys a .. a + n, n a multiple of kQkKeys) for row vectors [0, nvec). Keys
@@ -114,11 +113,12 @@ inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_
   return t;
 }
 
-// Qt[d][r] = q[row r][d] · scale · log2 e; zero for invalid rows. N rows at a time through an
-// in-register transpose when the head dim is contiguous.
+// Qt[d][r] = q[row r][d] · scale; zero for invalid rows. N rows at a time through an
+// in-register transpose when the head dim is contiguous. (log2 e is applied later, to s - m:
+// folding it in here would add a rounding of every score that plain float32 does not have.)
 inline void PackQueries(DF d, const AttentionParams& p, const TaskRows& t, float* qt) {
   const size_t N = hn::Lanes(d), D = static_cast<size_t>(p.qk_dim);
-  const float c = p.scale * kLog2e;
+  const float c = p.scale;
   if (p.q_stride[3] != 1) {
     for (size_t r = 0; r < t.mpad; ++r) {
       const float* q = p.q + t.b * p.q_stride[0] + t.head[r] * p.q_stride[1] + t.query[r] * p.q_stride[2];
@@ -191,7 +191,7 @@ inline KeyBlock MakeBlock(const AttentionParams& p, const TaskRows& t, int64_t j
   return k;
 }
 
-// Bias (log2 units), then -inf outside each row's range and where keep_mask is 0.
+// Bias, then -inf outside each row's range and where keep_mask is 0.
 inline void MaskBlock(DF d, const AttentionParams& p, const TaskRows& t, const KeyBlock& k, float* st) {
   const size_t N = hn::Lanes(d);
   const int64_t jn = std::min(k.n, p.kv_len - k.a);  // keys that exist
@@ -200,7 +200,7 @@ inline void MaskBlock(DF d, const AttentionParams& p, const TaskRows& t, const K
       if (!t.valid[r]) continue;
       const float* bias = p.bias + t.b * p.bias_stride[0] + t.head[r] * p.bias_stride[1] +
                           t.query[r] * p.bias_stride[2] + k.a * p.bias_stride[3];
-      for (int64_t j = 0; j < jn; ++j) st[j * t.mpad + r] += bias[j * p.bias_stride[3]] * kLog2e;
+      for (int64_t j = 0; j < jn; ++j) st[j * t.mpad + r] += bias[j * p.bias_stride[3]];
     }
   }
   if (k.kind == BlockKind::kPartial) {

@@ -2,12 +2,12 @@
 // target Highway knows (AVX-512, AVX2, portable) and chosen once per call.
 //
 // For each task (b, kv head, query block; see flash_plan.h) and each key block j0..j0+Bk:
-//   St = K_blk · Qtᵀ-tile              scores in log2 units (Q pre-scaled by scale·log2 e)
-//   St += bias·log2 e; masked → -inf   only for blocks that need it (see Classify)
-//   m' = max(m, max_j St);  α = 2^(m - m');  P = 2^(St - m');  l = α·l + Σ_j P
+//   St = K_blk · Qtᵀ-tile              scores (Q pre-scaled by scale)
+//   St += bias; masked → -inf          only for blocks that need it (see MakeBlock)
+//   m' = max(m, max_j St);  α = 2^((m - m')·log2 e);  P = 2^((St - m')·log2 e);  l = α·l + Σ_j P
 //   P ·= dropout keep / (1 - p)        (l stays undropped)
 //   Ot = α·Ot + Vᵀ_blk · P
-// and at the end out = Ot / l, lse = (m + log2 l)·ln 2 (Dao et al., FlashAttention-2, 2023,
+// and at the end out = Ot / l, lse = m + ln l (Dao et al., FlashAttention-2, 2023,
 // Algorithm 1; the layout with query rows in the SIMD lanes follows gemma.cpp). A row that saw
 // no key has l = 0: its output is 0 and its LSE -inf. Memory: O((D + Dv + Bk) · rows) per thread.
 #undef HWY_TARGET_INCLUDE
@@ -26,6 +26,7 @@
 #include "kernels/cpu/flash_plan.h"
 #include "kernels/cpu/tiles-inl.h"
 #include "kernels/dropout.h"
+#include "kernels/ref/attention_ref.h"
 #include "kernels/workspace.h"
 #include "util/parallel.h"
 
@@ -70,14 +71,24 @@ void OutputBlock(DF d, const float* st, size_t ldq, size_t nvec, const float* v,
   }
 }
 
-// out[row r][c] = Ot[c][r] · inv[r] for the valid rows, N×N blocks through a transpose.
-void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* ot, const float* inv) {
+// out[row r][c] = Ot[c][r] · inv[r] for the valid rows, N×N blocks through a transpose. Sets
+// nonfinite[r] for rows with a NaN or infinity in their output.
+void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* ot, const float* inv,
+               uint8_t* nonfinite) {
   const size_t N = hn::Lanes(d), M = t.mpad, Dv = static_cast<size_t>(p.v_dim);
-  auto out_row = [&](size_t r) { return p.out + t.b * p.out_stride[0] + t.head[r] * p.out_stride[1] + t.query[r] * p.out_stride[2]; };
+  auto out_row = [&](size_t r) {
+    return p.out + t.b * p.out_stride[0] + t.head[r] * p.out_stride[1] + t.query[r] * p.out_stride[2];
+  };
+  std::fill(nonfinite, nonfinite + M, 0);
   if (p.out_stride[3] != 1) {
-    for (size_t r = 0; r < M; ++r)
-      if (t.valid[r])
-        for (size_t cc = 0; cc < Dv; ++cc) out_row(r)[static_cast<int64_t>(cc) * p.out_stride[3]] = ot[cc * M + r] * inv[r];
+    for (size_t r = 0; r < M; ++r) {
+      if (!t.valid[r]) continue;
+      for (size_t cc = 0; cc < Dv; ++cc) {
+        const float x = ot[cc * M + r] * inv[r];
+        out_row(r)[static_cast<int64_t>(cc) * p.out_stride[3]] = x;
+        nonfinite[r] |= !std::isfinite(x);
+      }
+    }
     return;
   }
   HWY_ALIGN static const float kZeros[hn::MaxLanes(DF())] = {};
@@ -92,6 +103,7 @@ void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* o
         const size_t r = r0 + x;
         if (!t.valid[r]) continue;
         const auto v = hn::Mul(hn::Load(d, tmp + x * N), hn::Set(d, inv[r]));
+        nonfinite[r] |= !hn::AllTrue(d, hn::IsFinite(v));
         if (nc == N) {
           hn::StoreU(v, d, out_row(r) + c0);
         } else {
@@ -102,7 +114,7 @@ void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* o
   }
 }
 
-void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, float* lse2) {
+void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, float* row_lse) {
   const DF d;
   const size_t N = hn::Lanes(d);
   const TaskCoords c = task_coords(p, plan, task);
@@ -150,14 +162,15 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
       const auto mx = hn::Max(hn::Max(mx0, mx1), hn::Max(mx2, mx3));
       const auto none = hn::Eq(mx, hn::Set(d, kNegInf));  // nothing visible yet: keep O, P = 0
       const auto m_safe = hn::IfThenElse(none, hn::Zero(d), mx);
-      const auto a = hn::IfThenElse(none, hn::Set(d, 1.0f), Exp2(d, hn::Sub(m_old, mx)));
+      const auto log2e = hn::Set(d, kLog2e);
+      const auto a = hn::IfThenElse(none, hn::Set(d, 1.0f), Exp2(d, hn::Mul(hn::Sub(m_old, mx), log2e)));
       auto sum0 = hn::Zero(d), sum1 = hn::Zero(d), sum2 = hn::Zero(d), sum3 = hn::Zero(d);
       for (int64_t j = 0; j < k.n; j += 4) {
         float* s = st + j * M + rv * N;
-        const auto e0 = Exp2(d, hn::Sub(hn::Load(d, s), m_safe));
-        const auto e1 = Exp2(d, hn::Sub(hn::Load(d, s + M), m_safe));
-        const auto e2 = Exp2(d, hn::Sub(hn::Load(d, s + 2 * M), m_safe));
-        const auto e3 = Exp2(d, hn::Sub(hn::Load(d, s + 3 * M), m_safe));
+        const auto e0 = Exp2(d, hn::Mul(hn::Sub(hn::Load(d, s), m_safe), log2e));
+        const auto e1 = Exp2(d, hn::Mul(hn::Sub(hn::Load(d, s + M), m_safe), log2e));
+        const auto e2 = Exp2(d, hn::Mul(hn::Sub(hn::Load(d, s + 2 * M), m_safe), log2e));
+        const auto e3 = Exp2(d, hn::Mul(hn::Sub(hn::Load(d, s + 3 * M), m_safe), log2e));
         hn::Store(e0, d, s);
         hn::Store(e1, d, s + M);
         hn::Store(e2, d, s + 2 * M);
@@ -186,21 +199,26 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   // out = Ot / l; fully masked rows (l = 0) give zeros and LSE = -inf.
   float* inv = alpha;  // alpha is free now
   for (size_t r = 0; r < M; ++r) inv[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
-  WriteRows(d, p, t, ot, inv);
+  uint8_t* nonfinite = ws.get<uint8_t>(11, M);
+  WriteRows(d, p, t, ot, inv, nonfinite);
+  // A NaN or infinity in a value row is multiplied by P = 0 for the rows of the block that do
+  // not see that key; recompute such rows so that it reaches exactly the rows attending to it.
+  for (size_t r = 0; r < M; ++r)
+    if (t.valid[r] && nonfinite[r]) attention_ref_output_row(p, c.b, t.head[r], t.query[r]);
   for (size_t r = 0; r < M; ++r) {
     if (!t.valid[r]) continue;
     const int64_t h = t.head[r], i = t.query[r];
-    const float l2 = l[r] == 0.0f ? kNegInf : m[r] + std::log2(l[r]);
-    if (p.lse) p.lse[c.b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = l2 * kLn2;
-    if (lse2) lse2[(c.b * p.q_heads + h) * p.q_len + i] = l2;
+    const float lse = l[r] == 0.0f ? kNegInf : m[r] + std::log(l[r]);
+    if (p.lse) p.lse[c.b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = lse;
+    if (row_lse) row_lse[(c.b * p.q_heads + h) * p.q_len + i] = lse;
   }
 }
 
 }  // namespace
 
-void FlashForward(const AttentionParams& p, float* lse2, int num_threads) {
+void FlashForward(const AttentionParams& p, float* row_lse, int num_threads) {
   const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
-  parallel_for(plan.tasks(), num_threads, [&](int64_t i) { ForwardTask(p, plan, plan.order[i], lse2); });
+  parallel_for(plan.tasks(), num_threads, [&](int64_t i) { ForwardTask(p, plan, plan.order[i], row_lse); });
 }
 
 std::string FlashForwardName() {
@@ -217,8 +235,8 @@ namespace mha::kernels {
 HWY_EXPORT(FlashForward);
 HWY_EXPORT(FlashForwardName);
 
-void flash_forward(const AttentionParams& p, float* lse2, int num_threads) {
-  HWY_DYNAMIC_DISPATCH(FlashForward)(p, lse2, num_threads);
+void flash_forward(const AttentionParams& p, float* row_lse, int num_threads) {
+  HWY_DYNAMIC_DISPATCH(FlashForward)(p, row_lse, num_threads);
 }
 
 std::string flash_forward_name() { return HWY_DYNAMIC_DISPATCH(FlashForwardName)(); }

@@ -1,5 +1,5 @@
 // The attention weights of the fast path, written in a second pass once the forward has the
-// final log-sum-exp of every row: P = 2^(St - lse2) block by block (the QKᵀ product again),
+// final log-sum-exp of every row: P = 2^((St - lse)·log2 e) block by block (the QKᵀ product again),
 // masked and dropped exactly as in the forward. It costs one more QKᵀ and the weights' own
 // memory, nothing O(T²) besides. Averaged weights sum the heads in index order in one task,
 // so they have the same bits for any thread count.
@@ -30,7 +30,7 @@ float* WeightsRow(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
 // Probabilities of the rows of (b, hk, qb) for every key; `emit(row, j0, jn, st)` consumes a block.
 template <class Emit>
 void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t b, int64_t hk, int64_t qb,
-                       const float* lse2, const Emit& emit) {
+                       const float* row_lse, const Emit& emit) {
   const DF d;
   const size_t N = hn::Lanes(d);
   Workspace& ws = Workspace::local();
@@ -41,8 +41,8 @@ void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t 
   float* shift = ws.get<float>(5, M);
   PackQueries(d, p, t, qt);
   for (size_t r = 0; r < M; ++r) {
-    const float l2 = t.valid[r] ? lse2[(b * p.q_heads + t.head[r]) * p.q_len + t.query[r]] : kNegInf;
-    shift[r] = l2 == kNegInf ? std::numeric_limits<float>::infinity() : l2;  // fully masked: P = 0
+    const float lse = t.valid[r] ? row_lse[(b * p.q_heads + t.head[r]) * p.q_len + t.query[r]] : kNegInf;
+    shift[r] = lse == kNegInf ? std::numeric_limits<float>::infinity() : lse;  // fully masked: P = 0
   }
   const float* kbase = p.k + b * p.k_stride[0] + hk * p.k_stride[1];
   const Dropout drop(p.dropout_p, p.dropout_seed);
@@ -58,7 +58,7 @@ void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t 
     for (int64_t j = 0; j < k.n; ++j)
       for (size_t rv = 0; rv < t.nvec; ++rv) {
         float* s = st + j * M + rv * N;
-        hn::Store(Exp2(d, hn::Sub(hn::Load(d, s), hn::Load(d, shift + rv * N))), d, s);
+        hn::Store(Exp2(d, hn::Mul(hn::Sub(hn::Load(d, s), hn::Load(d, shift + rv * N)), hn::Set(d, kLog2e))), d, s);
       }
     if (drop.active()) DropBlock(p, drop, t, k, st);
     for (int64_t r = 0; r < t.rows; ++r)
@@ -66,7 +66,7 @@ void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t 
   }
 }
 
-void PerHeadTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, const float* lse2) {
+void PerHeadTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, const float* row_lse) {
   const TaskCoords c = task_coords(p, plan, task);
   // Zero the task's rows first: skipped blocks and masked keys stay 0.
   const int64_t i0 = c.qb * plan.q_per_task, i1 = std::min(p.q_len, i0 + plan.q_per_task);
@@ -75,7 +75,7 @@ void PerHeadTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
       float* w = WeightsRow(p, c.b, c.hk * p.group() + g, i);
       for (int64_t j = 0; j < p.kv_len; ++j) w[j * p.weights_stride[3]] = 0.0f;
     }
-  ProbabilityBlocks(p, plan, c.b, c.hk, c.qb, lse2,
+  ProbabilityBlocks(p, plan, c.b, c.hk, c.qb, row_lse,
                     [&](const TaskRows& t, int64_t r, int64_t j0, int64_t jn, const float* st, size_t M) {
                       float* w = WeightsRow(p, t.b, t.head[r], t.query[r]) + j0 * p.weights_stride[3];
                       for (int64_t j = 0; j < jn; ++j) w[j * p.weights_stride[3]] = st[j * M + r];
@@ -83,7 +83,7 @@ void PerHeadTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
 }
 
 // Averaged weights: task (b, qb) visits every kv head in order and adds P / Hq.
-void AveragedTask(const AttentionParams& p, const FlashPlan& plan, int64_t b, int64_t qb, const float* lse2) {
+void AveragedTask(const AttentionParams& p, const FlashPlan& plan, int64_t b, int64_t qb, const float* row_lse) {
   const int64_t i0 = qb * plan.q_per_task, i1 = std::min(p.q_len, i0 + plan.q_per_task);
   for (int64_t i = i0; i < i1; ++i) {
     float* w = WeightsRow(p, b, 0, i);
@@ -91,7 +91,7 @@ void AveragedTask(const AttentionParams& p, const FlashPlan& plan, int64_t b, in
   }
   const float inv_heads = 1.0f / static_cast<float>(p.q_heads);
   for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
-    ProbabilityBlocks(p, plan, b, hk, qb, lse2,
+    ProbabilityBlocks(p, plan, b, hk, qb, row_lse,
                       [&](const TaskRows& t, int64_t r, int64_t j0, int64_t jn, const float* st, size_t M) {
                         float* w = WeightsRow(p, t.b, 0, t.query[r]) + j0 * p.weights_stride[3];
                         for (int64_t j = 0; j < jn; ++j) w[j * p.weights_stride[3]] += st[j * M + r] * inv_heads;
@@ -101,13 +101,13 @@ void AveragedTask(const AttentionParams& p, const FlashPlan& plan, int64_t b, in
 
 }  // namespace
 
-void FlashWeights(const AttentionParams& p, const float* lse2, int num_threads) {
+void FlashWeights(const AttentionParams& p, const float* row_lse, int num_threads) {
   const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
   if (p.weights_averaged) {
     parallel_for(p.batch * plan.q_blocks, num_threads,
-                 [&](int64_t t) { AveragedTask(p, plan, t / plan.q_blocks, t % plan.q_blocks, lse2); });
+                 [&](int64_t t) { AveragedTask(p, plan, t / plan.q_blocks, t % plan.q_blocks, row_lse); });
   } else {
-    parallel_for(plan.tasks(), num_threads, [&](int64_t t) { PerHeadTask(p, plan, plan.order[t], lse2); });
+    parallel_for(plan.tasks(), num_threads, [&](int64_t t) { PerHeadTask(p, plan, plan.order[t], row_lse); });
   }
 }
 
@@ -119,8 +119,8 @@ namespace mha::kernels {
 
 HWY_EXPORT(FlashWeights);
 
-void flash_weights(const AttentionParams& p, const float* lse2, int num_threads) {
-  HWY_DYNAMIC_DISPATCH(FlashWeights)(p, lse2, num_threads);
+void flash_weights(const AttentionParams& p, const float* row_lse, int num_threads) {
+  HWY_DYNAMIC_DISPATCH(FlashWeights)(p, row_lse, num_threads);
 }
 
 }  // namespace mha::kernels

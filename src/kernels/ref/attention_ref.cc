@@ -7,91 +7,114 @@
 #include "kernels/dropout.h"
 
 namespace mha::kernels {
+namespace {
 
 template <typename Acc>
-void attention_ref_row(const AttentionParams& p, int64_t b, int64_t i) {
+struct HeadRow {
+  std::vector<Acc> prob;  // per key, after masking, normalisation and dropout
+  std::vector<Acc> out;   // Dv
+  Acc lse;                // -inf when fully masked, NaN when the row is NaN
+};
+
+// Probabilities and output of query row i of batch b, head h.
+template <typename Acc>
+void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, HeadRow<Acc>& row) {
   constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
   const int64_t Tk = p.kv_len;
   const Dropout dropout(p.dropout_p, p.dropout_seed);
   const KeyRange range = visible_keys(p, b, i);
+  const int64_t hk = h / p.group();
+  const float* q = p.q + b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
 
-  std::vector<Acc> score(Tk), prob(Tk), out(p.v_dim), weight_sum(p.weights_averaged ? Tk : 0);
+  std::vector<Acc> score(Tk);
   std::vector<bool> visible(Tk);
+  row.prob.assign(Tk, Acc(0));
+  row.out.assign(p.v_dim, Acc(0));
 
-  for (int64_t h = 0; h < p.q_heads; ++h) {
-    const int64_t hk = h / p.group();
-    const float* q = p.q + b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
-
-    // Scores of the visible keys.
-    for (int64_t j = 0; j < Tk; ++j) {
-      visible[j] = j >= range.lo && j < range.hi;
-      if (visible[j] && p.keep) {
-        visible[j] = p.keep[b * p.keep_stride[0] + h * p.keep_stride[1] +
-                            i * p.keep_stride[2] + j * p.keep_stride[3]] != 0;
-      }
-      if (!visible[j]) continue;
-      const float* k = p.k + b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2];
-      Acc dot = 0;
-      for (int64_t d = 0; d < p.qk_dim; ++d)
-        dot += static_cast<Acc>(q[d * p.q_stride[3]]) * static_cast<Acc>(k[d * p.k_stride[3]]);
-      Acc s = static_cast<Acc>(p.scale) * dot;
-      if (p.bias) {
-        s += static_cast<Acc>(p.bias[b * p.bias_stride[0] + h * p.bias_stride[1] +
-                                     i * p.bias_stride[2] + j * p.bias_stride[3]]);
-      }
-      score[j] = s;
+  // Scores of the visible keys.
+  for (int64_t j = 0; j < Tk; ++j) {
+    visible[j] = j >= range.lo && j < range.hi;
+    if (visible[j] && p.keep) {
+      visible[j] = p.keep[b * p.keep_stride[0] + h * p.keep_stride[1] + i * p.keep_stride[2] + j * p.keep_stride[3]] != 0;
     }
-
-    // max, with NaN propagated: a NaN score makes the whole row NaN.
-    Acc max = kNegInf;
-    for (int64_t j = 0; j < Tk; ++j) {
-      if (!visible[j]) continue;
-      if (std::isnan(score[j])) {
-        max = score[j];
-        break;
-      }
-      if (score[j] > max) max = score[j];
+    if (!visible[j]) continue;
+    const float* k = p.k + b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2];
+    Acc dot = 0;
+    for (int64_t d = 0; d < p.qk_dim; ++d)
+      dot += static_cast<Acc>(q[d * p.q_stride[3]]) * static_cast<Acc>(k[d * p.k_stride[3]]);
+    Acc s = static_cast<Acc>(p.scale) * dot;
+    if (p.bias) {
+      s += static_cast<Acc>(p.bias[b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] +
+                                   j * p.bias_stride[3]]);
     }
-    const bool fully_masked = max == kNegInf;
-
-    Acc sum = 0;
-    for (int64_t j = 0; j < Tk; ++j) {
-      prob[j] = visible[j] && !fully_masked ? std::exp(score[j] - max) : Acc(0);
-      sum += prob[j];
-    }
-    for (int64_t j = 0; j < Tk; ++j) {
-      prob[j] = fully_masked ? Acc(0) : prob[j] / sum;
-      if (dropout.active()) prob[j] = dropout.keep(b, h, i, j) ? prob[j] * dropout.scale() : Acc(0);
-    }
-
-    std::fill(out.begin(), out.end(), Acc(0));
-    for (int64_t j = 0; j < Tk; ++j) {
-      if (!visible[j]) continue;  // also skips 0 * inf from a masked value row
-      const float* v = p.v + b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2];
-      for (int64_t d = 0; d < p.v_dim; ++d) out[d] += prob[j] * static_cast<Acc>(v[d * p.v_stride[3]]);
-    }
-
-    float* o = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-    for (int64_t d = 0; d < p.v_dim; ++d) o[d * p.out_stride[3]] = static_cast<float>(out[d]);
-    if (p.lse) {
-      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
-          fully_masked ? -std::numeric_limits<float>::infinity()
-                       : static_cast<float>(max + std::log(sum));
-    }
-    if (p.weights && !p.weights_averaged) {
-      float* w = p.weights + b * p.weights_stride[0] + h * p.weights_stride[1] + i * p.weights_stride[2];
-      for (int64_t j = 0; j < Tk; ++j) w[j * p.weights_stride[3]] = static_cast<float>(prob[j]);
-    }
-    if (p.weights_averaged) {
-      for (int64_t j = 0; j < Tk; ++j) weight_sum[j] += prob[j];
-    }
+    score[j] = s;
   }
 
+  // max, with NaN propagated: a NaN score makes the whole row NaN.
+  Acc max = kNegInf;
+  for (int64_t j = 0; j < Tk; ++j) {
+    if (!visible[j]) continue;
+    if (std::isnan(score[j])) {
+      max = score[j];
+      break;
+    }
+    if (score[j] > max) max = score[j];
+  }
+  const bool fully_masked = max == kNegInf;
+
+  Acc sum = 0;
+  for (int64_t j = 0; j < Tk; ++j) {
+    row.prob[j] = visible[j] && !fully_masked ? std::exp(score[j] - max) : Acc(0);
+    sum += row.prob[j];
+  }
+  for (int64_t j = 0; j < Tk; ++j) {
+    row.prob[j] = fully_masked ? Acc(0) : row.prob[j] / sum;
+    if (dropout.active()) row.prob[j] = dropout.keep(b, h, i, j) ? row.prob[j] * dropout.scale() : Acc(0);
+  }
+  for (int64_t j = 0; j < Tk; ++j) {
+    if (!visible[j]) continue;  // value rows of invisible keys are never read (no 0 * NaN)
+    const float* v = p.v + b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2];
+    for (int64_t d = 0; d < p.v_dim; ++d) row.out[d] += row.prob[j] * static_cast<Acc>(v[d * p.v_stride[3]]);
+  }
+  row.lse = fully_masked ? kNegInf : max + std::log(sum);
+}
+
+template <typename Acc>
+void store_output(const AttentionParams& p, int64_t b, int64_t h, int64_t i, const HeadRow<Acc>& row) {
+  float* o = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+  for (int64_t d = 0; d < p.v_dim; ++d) o[d * p.out_stride[3]] = static_cast<float>(row.out[d]);
+}
+
+}  // namespace
+
+template <typename Acc>
+void attention_ref_row(const AttentionParams& p, int64_t b, int64_t i) {
+  const int64_t Tk = p.kv_len;
+  HeadRow<Acc> row;
+  std::vector<Acc> weight_sum(p.weights_averaged ? Tk : 0);
+  for (int64_t h = 0; h < p.q_heads; ++h) {
+    compute_head_row(p, b, h, i, row);
+    store_output(p, b, h, i, row);
+    if (p.lse) p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = static_cast<float>(row.lse);
+    if (p.weights && !p.weights_averaged) {
+      float* w = p.weights + b * p.weights_stride[0] + h * p.weights_stride[1] + i * p.weights_stride[2];
+      for (int64_t j = 0; j < Tk; ++j) w[j * p.weights_stride[3]] = static_cast<float>(row.prob[j]);
+    }
+    if (p.weights_averaged) {
+      for (int64_t j = 0; j < Tk; ++j) weight_sum[j] += row.prob[j];
+    }
+  }
   if (p.weights && p.weights_averaged) {
     float* w = p.weights + b * p.weights_stride[0] + i * p.weights_stride[2];
     for (int64_t j = 0; j < Tk; ++j)
       w[j * p.weights_stride[3]] = static_cast<float>(weight_sum[j] / static_cast<Acc>(p.q_heads));
   }
+}
+
+void attention_ref_output_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+  HeadRow<double> row;
+  compute_head_row(p, b, h, i, row);
+  store_output(p, b, h, i, row);
 }
 
 template void attention_ref_row<double>(const AttentionParams&, int64_t, int64_t);

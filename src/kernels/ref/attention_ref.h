@@ -18,6 +18,10 @@ namespace mha::kernels {
 template <typename Acc>
 void attention_ref_row(const AttentionParams& p, int64_t b, int64_t i);
 
+// Only the output row of (b, h, i), in double. The fast kernels use it for the rare rows whose
+// result is not finite, so that non-finite values reach exactly the rows that attend to them.
+void attention_ref_output_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i);
+
 }  // namespace mha::kernels
 
 #endif  // MHA_KERNELS_REF_ATTENTION_REF_H_

@@ -1,0 +1,176 @@
+// libFuzzer target: the attention entry point with fuzzed shapes, strides, masks and options,
+// the fast path compared with the float64 reference (and the plain float32 one for the bound).
+// Invariants: no crash or UB; invalid arguments are an mha::Error; NaN and infinities land in
+// the same places on both paths; finite outputs obey err(fast) <= 2·err(plain) + 4u or, for
+// ill-conditioned inputs, the a-priori bound (docs/numerics.md).
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <limits>
+#include <vector>
+
+#include "fuzz/fuzz_input.h"
+#include "kernels/ref/attention_ref.h"
+#include "mha/attention.h"
+#include "mha/safetensors.h"
+#include "ops/attention_params.h"
+
+namespace {
+
+using mha::Tensor;
+using mha::View;
+
+struct Rng {  // splitmix64
+  uint64_t s;
+  float next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return static_cast<float>((z ^ (z >> 31)) >> 40) / 16777216.0f * 16.0f - 8.0f;  // [-8, 8)
+  }
+};
+
+struct Outputs {
+  Tensor out, lse, weights;
+};
+
+std::vector<int64_t> broadcast_shape(mha::fuzz::Input& in, const std::vector<int64_t>& full) {
+  const int rank = static_cast<int>(in.range(1, 4));
+  std::vector<int64_t> s(full.end() - rank, full.end());
+  for (auto& d : s)
+    if (in.flag()) d = 1;
+  return s;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  mha::fuzz::Input in(data, size);
+  const int64_t B = in.range(1, 2), Hkv = in.range(1, 3), Hq = Hkv * in.range(1, 4);
+  const int64_t Tq = in.range(0, 70), Tk = in.range(0, 70), D = in.range(1, 40), Dv = in.range(1, 40);
+  Rng rng{in.u64()};
+  auto make = [&](int64_t H, int64_t T, int64_t Dd, bool bthd, Tensor* t) {
+    *t = Tensor(mha::DType::kF32, bthd ? std::vector<int64_t>{B, T, H, Dd} : std::vector<int64_t>{B, H, T, Dd});
+    for (int64_t i = 0; i < t->numel(); ++i) t->data<float>()[i] = rng.next();
+    if (bthd) return View<const float>(t->data<float>(), {B, H, T, Dd}, {T * H * Dd, Dd, H * Dd, 1});
+    return View<const float>(t->data<float>(), {B, H, T, Dd});
+  };
+  Tensor q, k, v, keep, bias, lengths;
+  mha::AttentionInputs ai;
+  ai.query = make(Hq, Tq, D, in.flag(), &q);
+  ai.key = make(Hkv, Tk, D, in.flag(), &k);
+  ai.value = make(Hkv, Tk, Dv, in.flag(), &v);
+  // Occasional non-finite inputs.
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity()};
+  for (int n = static_cast<int>(in.range(0, 3)); n > 0; --n) {
+    Tensor* t = in.flag() ? &q : (in.flag() ? &k : &v);
+    if (t->numel() > 0) t->data<float>()[in.u64() % t->numel()] = specials[in.range(0, 2)];
+  }
+  const std::vector<int64_t> full = {B, Hq, Tq, Tk};
+  if (in.flag()) {
+    keep = Tensor(mha::DType::kU8, broadcast_shape(in, full));
+    const uint8_t density = in.byte();
+    for (int64_t i = 0; i < keep.numel(); ++i) keep.data<uint8_t>()[i] = (rng.next() + 8.0f) * 16.0f < density;
+    ai.keep_mask = keep.view<uint8_t>();
+  }
+  if (in.flag()) {
+    bias = Tensor(mha::DType::kF32, broadcast_shape(in, full));
+    for (int64_t i = 0; i < bias.numel(); ++i) bias.data<float>()[i] = rng.next();
+    ai.bias = bias.view<float>();
+  }
+  if (in.flag()) {
+    lengths = Tensor(mha::DType::kI32, {B});
+    for (int64_t b = 0; b < B; ++b) lengths.data<int32_t>()[b] = static_cast<int32_t>(in.range(-1, Tk + 1));
+    ai.key_lengths = lengths.view<int32_t>();
+  }
+  mha::AttentionOptions opt;
+  opt.causal = static_cast<mha::Causal>(in.range(0, 2));
+  opt.window = in.flag() ? in.range(-1, 20) : 0;
+  if (in.flag()) opt.dropout_p = 0.3f, opt.dropout_seed = in.u64();
+  if (in.flag()) opt.scale = rng.next() / 4;
+  opt.num_threads = 1;
+  const int weights = static_cast<int>(in.range(0, 2));  // none, per head, averaged
+
+  auto outputs = [&]() {
+    Outputs o;
+    o.out = Tensor(mha::DType::kF32, {B, Hq, Tq, Dv});
+    o.lse = Tensor(mha::DType::kF32, {B, Hq, Tq});
+    if (weights == 1) o.weights = Tensor(mha::DType::kF32, {B, Hq, Tq, Tk});
+    if (weights == 2) o.weights = Tensor(mha::DType::kF32, {B, Tq, Tk});
+    return o;
+  };
+  auto views = [](Outputs& o) {
+    return mha::AttentionOutputs{o.out.view<float>(), o.lse.view<float>(),
+                                 o.weights.defined() ? o.weights.view<float>() : View<float>()};
+  };
+  Outputs fast = outputs(), ref = outputs(), plain = outputs();
+  try {
+    opt.backend = mha::Backend::kFast;
+    mha::attention(ai, views(fast), opt);
+  } catch (const mha::Error&) {
+    // The checks are shared: the reference must refuse the same arguments.
+    opt.backend = mha::Backend::kReference;
+    try {
+      mha::attention(ai, views(ref), opt);
+    } catch (const mha::Error&) {
+      return 0;
+    }
+    __builtin_trap();
+  }
+  opt.backend = mha::Backend::kReference;
+  mha::attention(ai, views(ref), opt);
+  const mha::kernels::AttentionParams p = mha::ops::make_attention_params(ai, views(plain), opt);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < Tq; ++i) mha::kernels::attention_ref_row<float>(p, b, i);
+
+  // The a-priori bound of docs/numerics.md, for inputs so large that plain float32's own error
+  // is luck: every score is off by at most ds = (D + 2)·u·max|s|, every probability by a
+  // relative 2·ds + 4u, and the output by that times max|v| plus (Tk + 8)·u·max|v|.
+  const double u = 1.0 / (1 << 24);
+  auto max_abs = [](const Tensor& t) {
+    double m = 0;
+    for (int64_t i = 0; i < t.numel(); ++i)
+      if (std::isfinite(t.data<float>()[i])) m = std::max(m, std::fabs(static_cast<double>(t.data<float>()[i])));
+    return m;
+  };
+  const double s_max = static_cast<double>(std::fabs(p.scale)) * D * max_abs(q) * max_abs(k) +
+                       (bias.defined() ? max_abs(bias) : 0.0);
+  const double ds = (D + 2) * u * s_max;
+  const double drop_scale = opt.dropout_p > 0 ? 1.0 / (1.0 - opt.dropout_p) : 1.0;
+  const double v_max = max_abs(v) * drop_scale;
+  const double derived_out = v_max * (2 * ds + 4 * u + (Tk + 8) * u);
+  const double derived_prob = drop_scale * (2 * ds + 4 * u);
+  auto check = [&](const Tensor& f, const Tensor& r, const Tensor& pl, double derived) {
+    if (!f.defined()) return;
+    double scale = 1e-30, ep = 0, ef = 0;
+    for (int64_t i = 0; i < r.numel(); ++i) {
+      const float x = f.data<float>()[i], y = r.data<float>()[i], z = pl.data<float>()[i];
+      if (std::isnan(y) != std::isnan(x)) __builtin_trap();
+      if (std::isinf(y) && x != y) __builtin_trap();
+      if (!std::isfinite(y)) continue;
+      scale = std::max(scale, std::fabs(static_cast<double>(y)));
+      ef = std::max(ef, std::fabs(static_cast<double>(x) - y));
+      if (std::isfinite(z)) ep = std::max(ep, std::fabs(static_cast<double>(z) - y));
+    }
+    if (ef > 2 * ep + 4 * u * scale && ef > derived) {
+      std::fprintf(stderr, "bound: fast %.3g plain %.3g derived %.3g scale %.3g (B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld "
+                   "D=%ld Dv=%ld causal=%d window=%ld p=%g keep=%d bias=%d lengths=%d)\n", ef, ep, derived, scale,
+                   (long)B, (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal,
+                   (long)opt.window, opt.dropout_p, ai.keep_mask.given(), ai.bias.given(), ai.key_lengths.given());
+      if (const char* path = std::getenv("MHA_FUZZ_DUMP")) {  // triage: the failing inputs
+        mha::StateDict dump;
+        dump.emplace("query", q.clone());
+        dump.emplace("key", k.clone());
+        dump.emplace("value", v.clone());
+        mha::write_safetensors(path, dump);
+      }
+      __builtin_trap();
+    }
+  };
+  check(fast.out, ref.out, plain.out, derived_out);
+  check(fast.lse, ref.lse, plain.lse, 2 * ds + (Tk + 8) * u * (s_max + 1));
+  check(fast.weights, ref.weights, plain.weights, derived_prob);
+  return 0;
+}

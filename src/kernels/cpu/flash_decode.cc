@@ -1,0 +1,349 @@
+// Attention for decoding: a few query rows (Tq·G <= kMaxDecodeRows, e.g. one new token of
+// every query head of a kv group) against a long key cache. It is bound by reading K and V,
+// so the layout differs from flash_fwd.cc:
+//   scores  S[r][j]  with keys in the SIMD lanes: K rows are transposed in registers, N keys
+//                    at a time, and every query row of the group reuses them;
+//   output  O[r][c]  with value columns in the lanes: each V row is loaded once per block and
+//                    broadcast-multiplied into every row's accumulator.
+// Each K/V byte is read from memory once per step. The keys of a (batch, kv head) may be cut
+// into S chunks (S depends on the shape alone, never on threads) that run as separate tasks;
+// their partial (O, m, l) are merged in chunk order through their log-sum-exp, so the result
+// has the same bits for any thread count.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/flash_decode.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <cmath>
+#include <limits>
+#include <new>
+#include <vector>
+
+#include "hwy/aligned_allocator.h"
+#include "hwy/highway.h"
+#include "kernels/cpu/exp2-inl.h"
+#include "kernels/cpu/flash.h"
+#include "kernels/cpu/transpose-inl.h"
+#include "kernels/ref/attention_ref.h"
+#include "kernels/workspace.h"
+#include "util/parallel.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr size_t kBlockVecs = 4;  // keys per block: 4 vectors
+constexpr int64_t kPrefetchBlocks = 1;  // K and V are prefetched one block ahead
+#if HWY_TARGET <= HWY_AVX3
+constexpr size_t kRowGroup = 6;   // 6 rows × 4 vectors = 24 accumulators
+#else
+constexpr size_t kRowGroup = 2;   // 8 accumulators of 16 registers
+#endif
+
+// The rows of a decode task: query heads hk·G .. hk·G + G, queries 0 .. Tq.
+struct DecodeRows {
+  int64_t rows;
+  int64_t head(const AttentionParams& p, int64_t hk, int64_t r) const { return hk * p.group() + r / p.q_len; }
+  int64_t query(const AttentionParams& p, int64_t r) const { return r % p.q_len; }
+};
+
+struct Split {
+  int64_t parts;       // chunks per (b, kv head)
+  int64_t chunk;       // keys per chunk, a multiple of the block
+};
+
+Split ChooseSplit(const AttentionParams& p, size_t block) {
+  // Enough tasks for the machine's cores when B·Hkv is small, chunks of >= 256 keys: a function
+  // of the shape only.
+  const int64_t heads = p.batch * p.kv_heads;
+  int64_t parts = std::max<int64_t>(1, std::min<int64_t>((8 + heads - 1) / heads, (p.kv_len + 255) / 256));
+  int64_t chunk = (p.kv_len + parts - 1) / parts;
+  chunk = (chunk + static_cast<int64_t>(block) - 1) / static_cast<int64_t>(block) * static_cast<int64_t>(block);
+  parts = chunk > 0 ? (p.kv_len + chunk - 1) / chunk : 1;
+  return {std::max<int64_t>(parts, 1), std::max<int64_t>(chunk, static_cast<int64_t>(block))};
+}
+
+// S[r][0 .. 4N) for rows [r0, r0 + RG) = Σ_d qs[r][d] · Kt[d][·].
+template <size_t RG>
+HWY_INLINE void DecodeScores(DF d, const float* qs, size_t ldq, const float* kt, size_t ldk, size_t depth, float* s,
+                             size_t lds) {
+  using V = hn::Vec<DF>;
+  const size_t N = hn::Lanes(d);
+  V acc[RG][kBlockVecs];
+  for (size_t r = 0; r < RG; ++r)
+    for (size_t v = 0; v < kBlockVecs; ++v) acc[r][v] = hn::Zero(d);
+  for (size_t dd = 0; dd < depth; ++dd) {
+    V k[kBlockVecs];
+    for (size_t v = 0; v < kBlockVecs; ++v) k[v] = hn::Load(d, kt + dd * ldk + v * N);
+    for (size_t r = 0; r < RG; ++r) {
+      const V q = hn::Set(d, qs[r * ldq + dd]);
+      for (size_t v = 0; v < kBlockVecs; ++v) acc[r][v] = hn::MulAdd(q, k[v], acc[r][v]);
+    }
+  }
+  for (size_t r = 0; r < RG; ++r)
+    for (size_t v = 0; v < kBlockVecs; ++v) hn::Store(acc[r][v], d, s + r * lds + v * N);
+}
+
+// O[r][c0 .. c0 + NV·N) = alpha[r]·O + Σ_{j < jn} P[r][j] · V[j][c0 ..] for rows [r0, r0 + RG).
+// kTail: the last vector is partial (ncols % N != 0) and read with a mask.
+template <size_t RG, size_t NV, bool kTail>
+HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const float* v, int64_t vs, size_t ncols, size_t jn,
+                             const float* alpha, float* o, size_t ldo) {
+  using V = hn::Vec<DF>;
+  const size_t N = hn::Lanes(d);
+  V acc[RG][NV];
+  for (size_t r = 0; r < RG; ++r) {
+    const V a = hn::Set(d, alpha[r]);
+    for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::Mul(hn::Load(d, o + r * ldo + c * N), a);
+  }
+  const auto tail = hn::FirstN(d, ncols - (NV - 1) * N);
+  for (size_t j = 0; j < jn; ++j) {
+    const float* vj = v + static_cast<int64_t>(j) * vs;
+    V x[NV];
+    for (size_t c = 0; c < NV; ++c)
+      x[c] = kTail && c + 1 == NV ? hn::MaskedLoad(tail, d, vj + c * N) : hn::LoadU(d, vj + c * N);
+    for (size_t r = 0; r < RG; ++r) {
+      const V pb = hn::Set(d, pr[r * ldp + j]);
+      for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pb, x[c], acc[r][c]);
+    }
+  }
+  for (size_t r = 0; r < RG; ++r)
+    for (size_t c = 0; c < NV; ++c) hn::Store(acc[r][c], d, o + r * ldo + c * N);
+}
+
+template <size_t RG>
+HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const float* v, int64_t vs, size_t ncols,
+                                 size_t jn, const float* alpha, float* o, size_t ldo) {
+  const size_t N = hn::Lanes(d), nv = (ncols + N - 1) / N;
+  const bool tail = ncols % N != 0;
+#define MHA_DECODE_OUTPUT(NV)                                                                 \
+  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, v, vs, ncols, jn, alpha, o, ldo)             \
+       : DecodeOutput<RG, NV, false>(d, pr, ldp, v, vs, ncols, jn, alpha, o, ldo)
+  switch (nv) {
+    case 1: MHA_DECODE_OUTPUT(1); break;
+    case 2: MHA_DECODE_OUTPUT(2); break;
+    case 3: MHA_DECODE_OUTPUT(3); break;
+    default: MHA_DECODE_OUTPUT(4); break;
+  }
+#undef MHA_DECODE_OUTPUT
+}
+
+template <class F>
+HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
+  for (size_t r0 = 0; r0 < rows; r0 += kRowGroup) f(r0, std::min(kRowGroup, rows - r0));
+}
+
+// Partial attention of rows of (b, hk) over keys [k0, k1): unnormalised O (rows × dvp), m, l.
+void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, int64_t k1, float* o, float* m,
+                 float* l) {
+  const DF d;
+  const size_t N = hn::Lanes(d), block = kBlockVecs * N;
+  const int64_t R = p.group() * p.q_len;
+  const size_t D = static_cast<size_t>(p.qk_dim), Dv = static_cast<size_t>(p.v_dim);
+  const size_t dvp = (Dv + N - 1) / N * N, ldq = (D + N - 1) / N * N;
+  Workspace& ws = Workspace::local();
+  float* qs = ws.get<float>(0, R * ldq);
+  float* kt = ws.get<float>(1, ldq * block);
+  float* s = ws.get<float>(2, R * block);
+  float* alpha = ws.get<float>(3, R);
+  int64_t* lo = ws.get<int64_t>(4, R);
+  int64_t* hi = ws.get<int64_t>(5, R);
+  const DecodeRows rows{R};
+  int64_t ua = k1, ub = k0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
+    const float* q = p.q + b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
+    for (size_t dd = 0; dd < D; ++dd) qs[r * ldq + dd] = q[static_cast<int64_t>(dd) * p.q_stride[3]] * p.scale;
+    const KeyRange k = visible_keys(p, b, i);
+    lo[r] = std::max(k.lo, k0);
+    hi[r] = std::min(k.hi, k1);
+    if (hi[r] > lo[r]) ua = std::min(ua, lo[r]), ub = std::max(ub, hi[r]);
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+    std::fill(o + r * dvp, o + (r + 1) * dvp, 0.0f);
+  }
+  const float* kbase = p.k + b * p.k_stride[0] + hk * p.k_stride[1];
+  const float* vbase = p.v + b * p.v_stride[0] + hk * p.v_stride[1];
+  HWY_ALIGN static const float kZeros[hn::MaxLanes(DF())] = {};
+  const float* krows[hn::MaxLanes(DF())];
+  const hn::RebindToSigned<DF> di;
+
+  for (int64_t j0 = ua; j0 < ub; j0 += static_cast<int64_t>(block)) {
+    const int64_t jn = std::min<int64_t>(static_cast<int64_t>(block), ub - j0);
+    // Kt[d][x] = K[j0 + x][d], N keys and N dims at a time; missing keys read as zeros. With
+    // each transpose go the prefetches (into L2) of the same lines of K and V one block ahead:
+    // this kernel is bound by that stream. Measured at 256 MiB: +40% over no prefetching; a
+    // burst of all of a block's prefetches at once, or prefetching 2 or 4 blocks ahead, no better.
+    const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
+    const int64_t ahead = j0 + ahead_keys;
+    for (size_t kv = 0; kv < kBlockVecs; ++kv) {
+      const int64_t first = j0 + static_cast<int64_t>(kv * N);
+      const float* pk[hn::MaxLanes(DF())];
+      const float* pv[hn::MaxLanes(DF())];
+      for (size_t x = 0; x < N; ++x) {
+        const int64_t j = first + static_cast<int64_t>(x);
+        krows[x] = j < j0 + jn ? kbase + j * p.k_stride[2] : kZeros;
+        const bool pf = j + ahead_keys < ub;
+        pk[x] = pf ? kbase + (j + ahead_keys) * p.k_stride[2] : kZeros;
+        pv[x] = pf ? vbase + (j + ahead_keys) * p.v_stride[2] : kZeros;
+      }
+      for (size_t dd = 0; dd < D; dd += N) {
+        for (size_t x = 0; x < N; ++x) {
+          __builtin_prefetch(pk[x] + dd, 0, 1);
+          __builtin_prefetch(pv[x] + dd, 0, 1);
+        }
+        Transpose(d, krows, std::min(N, D - dd), kt + dd * block + kv * N, block, 1.0f);
+        for (size_t x = 0; x < N; ++x) krows[x] += krows[x] == kZeros ? 0 : N;
+      }
+    }
+    // V columns beyond the head dim of K still need their prefetches.
+    for (int64_t j = ahead; j < std::min<int64_t>(ub, ahead + static_cast<int64_t>(block)); ++j)
+      for (size_t x = D; x < Dv; x += N) __builtin_prefetch(vbase + j * p.v_stride[2] + x, 0, 1);
+    ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
+      switch (rg) {
+        case 1: DecodeScores<1>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
+#if HWY_TARGET <= HWY_AVX3
+        case 2: DecodeScores<2>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
+        case 3: DecodeScores<3>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
+        case 4: DecodeScores<4>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
+        case 5: DecodeScores<5>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
+#endif
+        default: DecodeScores<kRowGroup>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
+      }
+    });
+    // Mask, then the online softmax of each row (keys in lanes: horizontal max and sum).
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = s + r * block;
+      auto mx = hn::Set(d, kNegInf);
+      for (size_t kv = 0; kv < kBlockVecs; ++kv) {
+        const auto j = hn::Iota(di, static_cast<int32_t>(j0 + kv * N));
+        const auto vis = hn::And(hn::Lt(hn::Set(di, static_cast<int32_t>(lo[r] - 1)), j),
+                                 hn::Lt(j, hn::Set(di, static_cast<int32_t>(hi[r]))));
+        const auto x = hn::IfThenElse(hn::RebindMask(d, vis), hn::Load(d, sr + kv * N), hn::Set(d, kNegInf));
+        hn::Store(x, d, sr + kv * N);
+        mx = hn::Max(mx, x);
+      }
+      const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, mx)));
+      // Nothing visible yet: shift by 0, so P = 2^-inf = 0 — but a NaN score still gives NaN
+      // (the horizontal max may have dropped it) and reaches l.
+      const float shift = m_new == kNegInf ? 0.0f : m_new;
+      alpha[r] = m_new == kNegInf ? 1.0f : m[r] == kNegInf ? 0.0f : std::exp2((m[r] - m_new) * kLog2e);
+      auto sum = hn::Zero(d);
+      for (size_t kv = 0; kv < kBlockVecs; ++kv) {
+        const auto e = Exp2(d, hn::Mul(hn::Sub(hn::Load(d, sr + kv * N), hn::Set(d, shift)), hn::Set(d, kLog2e)));
+        hn::Store(e, d, sr + kv * N);
+        sum = hn::Add(sum, e);
+      }
+      l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
+      m[r] = m_new;
+    }
+    const float* vblk = vbase + j0 * p.v_stride[2];
+    for (size_t c0 = 0; c0 < Dv; c0 += block) {
+      const size_t nc = std::min(block, Dv - c0);
+      ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
+        float* oc = o + r0 * dvp + c0;
+        const float* pr = s + r0 * block;
+        switch (rg) {
+          case 1: DecodeOutputCols<1>(d, pr, block, vblk + c0, p.v_stride[2], nc, jn, alpha + r0, oc, dvp); break;
+#if HWY_TARGET <= HWY_AVX3
+          case 2: DecodeOutputCols<2>(d, pr, block, vblk + c0, p.v_stride[2], nc, jn, alpha + r0, oc, dvp); break;
+          case 3: DecodeOutputCols<3>(d, pr, block, vblk + c0, p.v_stride[2], nc, jn, alpha + r0, oc, dvp); break;
+          case 4: DecodeOutputCols<4>(d, pr, block, vblk + c0, p.v_stride[2], nc, jn, alpha + r0, oc, dvp); break;
+          case 5: DecodeOutputCols<5>(d, pr, block, vblk + c0, p.v_stride[2], nc, jn, alpha + r0, oc, dvp); break;
+#endif
+          default: DecodeOutputCols<kRowGroup>(d, pr, block, vblk + c0, p.v_stride[2], nc, jn, alpha + r0, oc, dvp); break;
+        }
+      });
+    }
+  }
+}
+
+// Merges the chunks of (b, hk) in order and writes out and lse.
+void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const float* o, const float* m,
+           const float* l, size_t dvp) {
+  const int64_t R = p.group() * p.q_len;
+  const DecodeRows rows{R};
+  for (int64_t r = 0; r < R; ++r) {
+    float mx = kNegInf;
+    for (int64_t s = 0; s < parts; ++s) mx = std::max(mx, m[s * R + r]);
+    const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
+    float* out = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+    float sum = 0.0f;
+    std::vector<float> acc(static_cast<size_t>(p.v_dim), 0.0f);
+    if (mx != kNegInf) {
+      for (int64_t s = 0; s < parts; ++s) {
+        if (l[s * R + r] == 0.0f) continue;  // this chunk saw nothing of the row
+        const float w = std::exp2((m[s * R + r] - mx) * kLog2e);
+        sum += l[s * R + r] * w;
+        for (int64_t c = 0; c < p.v_dim; ++c) acc[c] += o[(s * R + r) * static_cast<int64_t>(dvp) + c] * w;
+      }
+    }
+    bool nan_score = false;  // a NaN score of the row reaches l (never m: max drops NaN)
+    for (int64_t s = 0; s < parts; ++s) nan_score |= std::isnan(l[s * R + r]);
+    const bool masked = sum == 0.0f && !nan_score;
+    bool nonfinite = nan_score;
+    for (int64_t c = 0; c < p.v_dim; ++c) {
+      out[c * p.out_stride[3]] = masked ? 0.0f : acc[c] / sum;
+      nonfinite |= !std::isfinite(out[c * p.out_stride[3]]);
+    }
+    if (p.lse) {
+      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
+          nan_score ? std::numeric_limits<float>::quiet_NaN() : masked ? kNegInf : mx + std::log(sum);
+    }
+    // As in the forward: a non-finite value must reach only the rows that attend to it.
+    if (nonfinite) attention_ref_output_row(p, b, h, i);
+  }
+}
+
+}  // namespace
+
+void FlashDecode(const AttentionParams& p, int num_threads) {
+  const DF d;
+  const size_t N = hn::Lanes(d), block = kBlockVecs * N;
+  const Split split = ChooseSplit(p, block);
+  const int64_t heads = p.batch * p.kv_heads, R = p.group() * p.q_len;
+  const size_t dvp = (static_cast<size_t>(p.v_dim) + N - 1) / N * N;
+  // Partial results of every chunk: O(B·Hkv·S·R·Dv) floats, the size of the output times S;
+  // 64-byte aligned (the output tiles are loaded and stored as whole vectors).
+  const size_t rows = static_cast<size_t>(heads * split.parts * R);
+  auto o = hwy::AllocateAligned<float>(std::max<size_t>(rows * dvp, 1));
+  auto m = hwy::AllocateAligned<float>(std::max<size_t>(rows, 1));
+  auto l = hwy::AllocateAligned<float>(std::max<size_t>(rows, 1));
+  if (!o || !m || !l) throw std::bad_alloc();
+  parallel_for(heads * split.parts, num_threads, [&](int64_t t) {
+    const int64_t bh = t / split.parts, s = t % split.parts;
+    const size_t at = static_cast<size_t>(t * R);
+    DecodeChunk(p, bh / p.kv_heads, bh % p.kv_heads, s * split.chunk, std::min(p.kv_len, (s + 1) * split.chunk),
+                o.get() + at * dvp, m.get() + at, l.get() + at);
+  });
+  parallel_for(heads, num_threads, [&](int64_t bh) {
+    const size_t at = static_cast<size_t>(bh * split.parts * R);
+    Merge(p, bh / p.kv_heads, bh % p.kv_heads, split.parts, o.get() + at * dvp, m.get() + at, l.get() + at, dvp);
+  });
+}
+
+std::string FlashDecodeName() { return std::string("flash_decode_f32_") + hwy::TargetName(HWY_TARGET); }
+
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace mha::kernels {
+
+HWY_EXPORT(FlashDecode);
+HWY_EXPORT(FlashDecodeName);
+
+void flash_decode(const AttentionParams& p, int num_threads) { HWY_DYNAMIC_DISPATCH(FlashDecode)(p, num_threads); }
+std::string flash_decode_name() { return HWY_DYNAMIC_DISPATCH(FlashDecodeName)(); }
+
+bool decode_applies(const AttentionParams& p) {
+  return p.group() * p.q_len <= kMaxDecodeRows && p.kv_len >= p.q_len && !p.keep && !p.bias && !p.weights &&
+         p.dropout_p == 0.0f && p.q_len > 0 && p.batch > 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1;
+}
+
+}  // namespace mha::kernels
+#endif  // HWY_ONCE
