@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "mha/attention.h"
+#include "mha/kv_cache.h"
 #include "mha/safetensors.h"
 #include "mha/tensor.h"
 
@@ -51,6 +52,8 @@ struct MultiHeadAttentionConfig {
   float attn_dropout = 0.0f;  // dropout on attention probabilities, in training mode only
   float out_dropout = 0.0f;   // dropout on the output, in training mode only (seed 000)
   Causal causal = Causal::kNone;
+  int64_t window = 0;         // sliding window (needs causal): each query sees itself and the
+                              // window-1 positions before it; 0: no window
   int64_t max_seq_len = 0;    // 0: unlimited; else Tq or Tk above it is an error (block_size)
   bool batch_first = true;    // (B, T, E); false: (T, B, E)
 };
@@ -101,6 +104,17 @@ class MultiHeadAttention {
   StateDict state_dict() const;
 
   MhaOutput forward(const MhaInputs& inputs) const;
+
+  // Incremental decoding (self-attention). x holds the newest positions of each sequence,
+  // (B, n, E) (or (n, B, E) when not batch_first), of which the first new_tokens[b] rows of
+  // sequence b are real (all n if new_tokens is empty; the output rows past them are zeros).
+  // Their keys and values are appended to `cache`, and each attends to its sequence's earlier
+  // positions and itself — bottom-right causal, within config().window if set — exactly as a
+  // forward over the whole sequence with causal masking would. Prefill: n = prompt length;
+  // decoding: n = 1. No dropout is applied. Thread safety: one cache per thread.
+  MhaOutput step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens = {}) const;
+  // A cache for this module's kv heads and head dims, with config().window.
+  KvCache make_cache(int64_t batch, int64_t capacity = 0) const;
 
   const MultiHeadAttentionConfig& config() const { return config_; }
   int64_t head_dim_qk() const { return config_.qk_dim / config_.num_heads; }

@@ -6,6 +6,7 @@
 
 #include "kernels/cpu/flash.h"
 #include "kernels/ref/attention_ref.h"
+#include "ops/attention_internal.h"
 #include "ops/attention_params.h"
 #include "util/parallel.h"
 
@@ -13,8 +14,10 @@ namespace mha {
 
 namespace {
 
-void run_attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options) {
-  const kernels::AttentionParams p = ops::make_attention_params(in, out, options);
+void run_attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options,
+                   const int64_t* causal_offset) {
+  kernels::AttentionParams p = ops::make_attention_params(in, out, options);
+  p.causal_offset = causal_offset;
   if (options.backend == Backend::kReference) {
     // One task per (b, query row); each task computes every head of its row.
     parallel_for(p.batch * p.q_len, options.num_threads, [&](int64_t t) {
@@ -32,15 +35,30 @@ void run_attention(const AttentionInputs& in, const AttentionOutputs& out, const
   if (p.weights) kernels::flash_weights(p, row_lse.data(), options.num_threads);
 }
 
-}  // namespace
-
-void attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options) {
+void checked_run(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options,
+                 const int64_t* causal_offset) {
   try {
-    run_attention(in, out, options);
+    run_attention(in, out, options, causal_offset);
   } catch (const std::bad_alloc&) {
     // Scratch memory (per thread, O(rows · (D + Dv + key block))) or the LSE buffer.
     throw Error("attention: out of memory for scratch buffers (query " + shape_string(in.query) + ")");
   }
 }
+
+}  // namespace
+
+void attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options) {
+  checked_run(in, out, options, nullptr);
+}
+
+namespace ops {
+
+void attention_with_offsets(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options,
+                            const int64_t* causal_offset) {
+  if (options.causal == Causal::kNone) throw Error("attention: causal offsets need causal masking");
+  checked_run(in, out, options, causal_offset);
+}
+
+}  // namespace ops
 
 }  // namespace mha

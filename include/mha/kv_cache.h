@@ -1,0 +1,62 @@
+// KvCache: the keys and values of earlier positions, for incremental decoding.
+//
+// Storage per (sequence, kv head) is a row-major (capacity, head_dim) block, so a decoding step
+// streams each head's keys and values once. The capacity grows by doubling (one copy, amortised
+// O(1) per token), never by concatenating per step. Each sequence of the batch has its own
+// length (positions seen so far).
+//
+// With window = W > 0 (sliding-window attention) the cache keeps only the last W positions of
+// each sequence in a ring buffer of W slots: position p lives in slot p mod W, and a query at
+// position P sees the positions P-W+1 .. P (itself and the W-1 before it).
+#ifndef MHA_KV_CACHE_H_
+#define MHA_KV_CACHE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "mha/tensor.h"
+
+namespace mha {
+
+struct KvCacheConfig {
+  int64_t batch = 1;
+  int64_t kv_heads = 1;
+  int64_t head_dim_k = 0;
+  int64_t head_dim_v = 0;
+  int64_t capacity = 0;  // initial slots per sequence (grown by doubling); 0: 16
+  int64_t window = 0;    // 0: keep every position; else a ring of the last `window` positions
+};
+
+class KvCache {
+ public:
+  explicit KvCache(const KvCacheConfig& config);
+
+  const KvCacheConfig& config() const { return config_; }
+  int64_t capacity() const { return capacity_; }
+  // Positions seen by sequence b (may exceed the slots kept when windowed).
+  int64_t length(int64_t b) const { return length_[b]; }
+  // Slots of sequence b holding a position (min(length, window) when windowed).
+  int64_t stored(int64_t b) const;
+  void reset();
+
+  // Appends count[b] new positions to each sequence b: k (B, Hkv, n, Dk) and v (B, Hkv, n, Dv),
+  // any strides, rows [0, count[b]) of sequence b (all n if counts is empty). Grows the storage
+  // as needed; windowed caches keep the last `window` positions.
+  void append(const View<const float>& k, const View<const float>& v, const std::vector<int64_t>& counts = {});
+
+  // The storage as (B, Hkv, capacity, D) views.
+  View<const float> keys() const;
+  View<const float> values() const;
+
+ private:
+  void reserve(int64_t slots);
+
+  KvCacheConfig config_;
+  int64_t capacity_ = 0;
+  Tensor k_, v_;
+  std::vector<int64_t> length_;
+};
+
+}  // namespace mha
+
+#endif  // MHA_KV_CACHE_H_
