@@ -29,6 +29,8 @@ double ModuleCase::flops() const {
   return 2.0 * rows * E * 3 * E + 4.0 * B * static_cast<double>(T) * T * E + 2.0 * rows * E * E;
 }
 
+double DecodeCase::bytes() const { return 2.0 * B * Hkv * static_cast<double>(L) * D * sizeof(float); }
+
 double time_calls(const std::function<void()>& f, double seconds) {
   f();  // warm-up: workspaces, caches, thread pool
   std::vector<double> t;
@@ -77,6 +79,16 @@ std::vector<ModuleCase> standard_module_cases() {
       {"bert-base", 8, 128, 768, 12},
       {"gpt2-512", 4, 512, 768, 12},
   };
+}
+
+std::vector<DecodeCase> decode_cases() {
+  std::vector<DecodeCase> v;
+  for (int64_t mib : {1, 4, 16, 64, 256}) {
+    // GQA as in Llama-style models (32 query heads, 8 kv heads, D 128) and plain MHA.
+    v.push_back({"gqa 32/8", 1, 32, 8, mib * (1 << 20) / (8 * 2 * 128 * 4), 128});
+    v.push_back({"mha 32", 1, 32, 32, mib * (1 << 20) / (32 * 2 * 128 * 4), 128});
+  }
+  return v;
 }
 
 namespace {
@@ -148,6 +160,57 @@ double memory_check(int threads, bool causal) {
              "resident before the call; the call added {:.1f} MiB\n",
              causal ? " causal" : "", s, after, io, after - before);
   return after - before;
+}
+
+double time_mha_decode(const DecodeCase& c, int threads, double seconds) {
+  const Tensor q = filled({c.B, c.Hq, 1, c.D}, 1.0f), k = filled({c.B, c.Hkv, c.L, c.D}, 0.1f);
+  const Tensor v = filled({c.B, c.Hkv, c.L, c.D}, 1.0f);
+  Tensor out(DType::kF32, {c.B, c.Hq, 1, c.D});
+  AttentionOptions opt;
+  opt.num_threads = threads;
+  opt.causal = Causal::kBottomRight;  // the new token sees the whole cache
+  const AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
+  const AttentionOutputs o{out.view<float>()};
+  return time_calls([&] { attention(in, o, opt); }, seconds);
+}
+
+void run_decode(const Options& o, const Peer* peer) {
+  const Bandwidth bw = measure_bandwidth(o.threads);
+  const auto cases = decode_cases();
+  std::vector<std::pair<double, double>> times;
+  size_t done = 0;
+  for (const DecodeCase& c : cases) {
+    std::fprintf(stderr, "[%zu/%zu] decode %s, cache %.0f MiB ...\n", ++done, cases.size(), c.name.c_str(),
+                 c.bytes() / (1 << 20));
+    times.emplace_back(time_mha_decode(c, o.threads, o.seconds),
+                       peer && peer->decode ? peer->decode(c, o.threads, o.seconds) : -1.0);
+  }
+  const Bandwidth after = measure_bandwidth(o.threads);
+  const double read = std::max(bw.read, after.read);
+  const std::string peer_name = peer ? peer->name : "peer";
+  fmt::print("\nthreads {}, measured memory bandwidth: read {:.1f} GB/s, triad {:.1f} GB/s (best of before and after)\n",
+             o.threads, read, std::max(bw.triad, after.triad));
+  fmt::print("{:<10} {:>9} {:>7} {:>10} {:>8} {:>7} {:>10} {:>8} {:>7}\n", "decode", "cache MiB", "L", "mha ms", "GB/s",
+             "% read", peer_name + " ms", "GB/s", "ratio");
+  std::ofstream csv;
+  if (!o.csv.empty()) {
+    csv.open(o.csv, std::ios::app);
+    csv << "decode,case,cache_mib,L,mha_seconds,mha_gbps,percent_of_read_bandwidth,peer_seconds,peer_gbps,ratio\n";
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const DecodeCase& c = cases[i];
+    const double gb = c.bytes() / times[i].first / 1e9;
+    std::string peer_cols = fmt::format("{:>10} {:>8} {:>7}", "-", "-", "-");
+    if (times[i].second > 0)
+      peer_cols = fmt::format("{:>10.3f} {:>8.1f} {:>6.2f}x", times[i].second * 1e3, c.bytes() / times[i].second / 1e9,
+                              times[i].second / times[i].first);
+    fmt::print("{:<10} {:>9.0f} {:>7} {:>10.3f} {:>8.1f} {:>6.1f}% {}\n", c.name, c.bytes() / (1 << 20), c.L,
+               times[i].first * 1e3, gb, 100 * gb / read, peer_cols);
+    if (csv.is_open())
+      csv << "decode," << c.name << "," << c.bytes() / (1 << 20) << "," << c.L << "," << times[i].first << "," << gb
+          << "," << 100 * gb / read << "," << times[i].second << "," << (times[i].second > 0 ? c.bytes() / times[i].second / 1e9 : 0)
+          << "," << (times[i].second > 0 ? times[i].second / times[i].first : 0) << "\n";
+  }
 }
 
 std::vector<Row> run_suites(const Options& o, const Peer* peer, bool sweep) {

@@ -24,11 +24,19 @@ struct ModuleCase {
   double flops() const;  // QKV and output projections + attention
 };
 
+// One decoding step: Hq query heads of one new token against a cache of L positions.
+struct DecodeCase {
+  std::string name;
+  int64_t B, Hq, Hkv, L, D;
+  double bytes() const;  // K and V read: B·Hkv·L·2D floats
+};
+
 // Seconds per call of a peer implementation, or a negative value when it has none.
 struct Peer {
   std::string name;
   std::function<double(const AttentionCase&, int threads, double seconds)> attention;
   std::function<double(const ModuleCase&, int threads, double seconds)> module;
+  std::function<double(const DecodeCase&, int threads, double seconds)> decode;
 };
 
 struct Row {
@@ -49,12 +57,24 @@ double time_calls(const std::function<void()>& f, double seconds);
 // fp32 FMA throughput of `threads` threads running an FMA loop with the widest vectors here.
 double measure_peak_gflops(int threads);
 
+// STREAM-like memory bandwidth in GB/s of `threads` threads over 256 MiB arrays: a read-only
+// sweep (what a decoding step does) and the triad a[i] = b[i] + s·c[i] (3 arrays counted).
+struct Bandwidth {
+  double read, triad;
+};
+Bandwidth measure_bandwidth(int threads);
+
 std::vector<AttentionCase> standard_attention_cases();  // the shapes and the seed shapes
 std::vector<AttentionCase> sequence_sweep();             // B=1, H=8, D=64, T = 128 .. 8192
 std::vector<ModuleCase> standard_module_cases();
+std::vector<DecodeCase> decode_cases();  // GQA and MHA caches of 1 MiB .. 256 MiB
 
 double time_mha_attention(const AttentionCase& c, int threads, double seconds);
 double time_mha_module(const ModuleCase& c, int threads, double seconds);
+double time_mha_decode(const DecodeCase& c, int threads, double seconds);
+
+// The decoding table: step time, GB/s of K/V read, % of the measured read bandwidth, peer.
+void run_decode(const Options& options, const Peer* peer);
 
 // Peak resident memory of one attention call at (1, 8, 32768, 64), beyond its inputs and
 // outputs (which are allocated and touched first). Prints and returns the extra MiB.

@@ -26,6 +26,12 @@ Peer torch_peer() {
     const auto pb = at::rand({c.E});
     return time_calls([&] { at::_native_multi_head_attention(x, x, x, c.E, c.H, w, b, pw, pb, {}, false); }, seconds);
   };
+  p.decode = [](const DecodeCase& c, int threads, double seconds) {
+    at::set_num_threads(threads);
+    const auto q = at::rand({c.B, c.Hq, 1, c.D}), k = at::rand({c.B, c.Hkv, c.L, c.D}), v = at::rand({c.B, c.Hkv, c.L, c.D});
+    const bool gqa = c.Hkv != c.Hq;
+    return time_calls([&] { at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, std::nullopt, gqa); }, seconds);
+  };
   return p;
 }
 

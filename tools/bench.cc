@@ -13,6 +13,10 @@ int run_bench(const BenchArgs& args) {
   o.seconds = args.seconds;
   o.csv = args.csv;
   o.json = args.json;
+  if (args.decode) {
+    bench::run_decode(o, nullptr);
+    return 0;
+  }
   if (args.memory) {
     bench::memory_check(o.threads, false);
     bench::memory_check(o.threads, true);

@@ -24,6 +24,7 @@ struct BenchArgs {
   double seconds = 0.5;
   bool sweep = false;
   bool memory = false;
+  bool decode = false;
   std::string csv, json;
 };
 

@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
   bench->add_option("--seconds", ba.seconds, "Measuring time per case");
   bench->add_flag("--sweep", ba.sweep, "Also sweep the sequence length");
   bench->add_flag("--memory", ba.memory, "Only measure the peak memory of (1, 8, 32768, 64) attention");
+  bench->add_flag("--decode", ba.decode, "Only the decoding table (KV caches against memory bandwidth)");
   bench->add_option("--csv", ba.csv, "Write the table as CSV");
   bench->add_option("--json", ba.json, "Write the table as JSON");
 

@@ -1,5 +1,7 @@
 #include "ops/linear.h"
 
+#include "mha/linear.h"
+
 #include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
 
@@ -80,3 +82,22 @@ void linear_ref(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t l
 }
 
 }  // namespace mha::ops
+
+namespace mha {
+
+void linear(const View<const float>& x, const View<const float>& weight, const View<const float>& bias,
+            const View<float>& y, int num_threads) {
+  MHA_CHECK(x.rank == 2 && weight.rank == 2 && y.rank == 2, "linear: x {}, weight {} and y {} must be 2-D",
+            shape_string(x), shape_string(weight), shape_string(y));
+  MHA_CHECK(x.shape[1] == weight.shape[1] && y.shape[0] == x.shape[0] && y.shape[1] == weight.shape[0],
+            "linear: x {} · weight {}ᵀ does not give y {}", shape_string(x), shape_string(weight), shape_string(y));
+  MHA_CHECK(!bias.given() || (bias.rank == 1 && bias.shape[0] == weight.shape[0] && bias.stride[0] == 1),
+            "linear: bias must be contiguous ({},); got {}", weight.shape[0], shape_string(bias));
+  MHA_CHECK((x.shape[1] <= 1 || x.stride[1] == 1) && (weight.shape[1] <= 1 || weight.stride[1] == 1) &&
+                (y.shape[1] <= 1 || y.stride[1] == 1),
+            "linear: rows of x, weight and y must be contiguous");
+  ops::linear({x.data, x.shape[0], x.shape[1], x.stride[0]}, {weight.data, weight.shape[0], weight.shape[1], weight.stride[0]},
+              bias.given() ? bias.data : nullptr, y.data, y.stride[0], num_threads);
+}
+
+}  // namespace mha

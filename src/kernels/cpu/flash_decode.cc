@@ -1,8 +1,9 @@
 // Attention for decoding: a few query rows (Tq·G <= kMaxDecodeRows, e.g. one new token of
 // every query head of a kv group) against a long key cache. It is bound by reading K and V,
 // so the layout differs from flash_fwd.cc:
-//   scores  S[r][j]  with keys in the SIMD lanes: K rows are transposed in registers, N keys
-//                    at a time, and every query row of the group reuses them;
+//   scores  S[r][j]  as dot products with the head dim in the SIMD lanes, K rows read in
+//                    memory order; N keys' products are reduced together (one transpose of
+//                    the N accumulators), leaving keys in the lanes for the softmax;
 //   output  O[r][c]  with value columns in the lanes: each V row is loaded once per block and
 //                    broadcast-multiplied into every row's accumulator.
 // Each K/V byte is read from memory once per step. The keys of a (batch, kv head) may be cut
@@ -15,10 +16,8 @@
 
 #include <cmath>
 #include <limits>
-#include <new>
 #include <vector>
 
-#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash.h"
@@ -67,27 +66,6 @@ Split ChooseSplit(const AttentionParams& p, size_t block) {
   return {std::max<int64_t>(parts, 1), std::max<int64_t>(chunk, static_cast<int64_t>(block))};
 }
 
-// S[r][0 .. 4N) for rows [r0, r0 + RG) = Σ_d qs[r][d] · Kt[d][·].
-template <size_t RG>
-HWY_INLINE void DecodeScores(DF d, const float* qs, size_t ldq, const float* kt, size_t ldk, size_t depth, float* s,
-                             size_t lds) {
-  using V = hn::Vec<DF>;
-  const size_t N = hn::Lanes(d);
-  V acc[RG][kBlockVecs];
-  for (size_t r = 0; r < RG; ++r)
-    for (size_t v = 0; v < kBlockVecs; ++v) acc[r][v] = hn::Zero(d);
-  for (size_t dd = 0; dd < depth; ++dd) {
-    V k[kBlockVecs];
-    for (size_t v = 0; v < kBlockVecs; ++v) k[v] = hn::Load(d, kt + dd * ldk + v * N);
-    for (size_t r = 0; r < RG; ++r) {
-      const V q = hn::Set(d, qs[r * ldq + dd]);
-      for (size_t v = 0; v < kBlockVecs; ++v) acc[r][v] = hn::MulAdd(q, k[v], acc[r][v]);
-    }
-  }
-  for (size_t r = 0; r < RG; ++r)
-    for (size_t v = 0; v < kBlockVecs; ++v) hn::Store(acc[r][v], d, s + r * lds + v * N);
-}
-
 // O[r][c0 .. c0 + NV·N) = alpha[r]·O + Σ_{j < jn} P[r][j] · V[j][c0 ..] for rows [r0, r0 + RG).
 // kTail: the last vector is partial (ncols % N != 0) and read with a mask.
 template <size_t RG, size_t NV, bool kTail>
@@ -132,6 +110,27 @@ HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const float*
 #undef MHA_DECODE_OUTPUT
 }
 
+// S[r][x] for one row and the N keys krows[x] (head dim in the lanes): N dot products,
+// reduced together. K rows are read in memory order.
+template <bool kTail>
+HWY_INLINE hn::Vec<DF> DotScores(DF d, const float* q, const float* const* krows, size_t depth) {
+  using V = hn::Vec<DF>;
+  const size_t N = hn::Lanes(d);
+  V acc[hn::MaxLanes(DF())];
+  for (size_t x = 0; x < N; ++x) acc[x] = hn::Zero(d);
+  const size_t full = kTail ? depth / N * N : depth;
+  for (size_t c = 0; c < full; c += N) {
+    const V qc = hn::Load(d, q + c);
+    for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, hn::LoadU(d, krows[x] + c), acc[x]);
+  }
+  if (kTail) {
+    const auto m = hn::FirstN(d, depth - full);
+    const V qc = hn::Load(d, q + full);  // zero past depth (padded)
+    for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, hn::MaskedLoad(m, d, krows[x] + full), acc[x]);
+  }
+  return SumLanesOfEach(d, acc);
+}
+
 template <class F>
 HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
   for (size_t r0 = 0; r0 < rows; r0 += kRowGroup) f(r0, std::min(kRowGroup, rows - r0));
@@ -147,7 +146,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const size_t dvp = (Dv + N - 1) / N * N, ldq = (D + N - 1) / N * N;
   Workspace& ws = Workspace::local();
   float* qs = ws.get<float>(0, R * ldq);
-  float* kt = ws.get<float>(1, ldq * block);
+  float* zrow = ws.get<float>(1, ldq);  // a missing key reads as zeros
+  std::fill(zrow, zrow + ldq, 0.0f);
   float* s = ws.get<float>(2, R * block);
   float* alpha = ws.get<float>(3, R);
   int64_t* lo = ws.get<int64_t>(4, R);
@@ -157,7 +157,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
     const float* q = p.q + b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
-    for (size_t dd = 0; dd < D; ++dd) qs[r * ldq + dd] = q[static_cast<int64_t>(dd) * p.q_stride[3]] * p.scale;
+    for (size_t dd = 0; dd < ldq; ++dd)
+      qs[r * ldq + dd] = dd < D ? q[static_cast<int64_t>(dd) * p.q_stride[3]] * p.scale : 0.0f;
     const KeyRange k = visible_keys(p, b, i);
     lo[r] = std::max(k.lo, k0);
     hi[r] = std::min(k.hi, k1);
@@ -168,53 +169,31 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   }
   const float* kbase = p.k + b * p.k_stride[0] + hk * p.k_stride[1];
   const float* vbase = p.v + b * p.v_stride[0] + hk * p.v_stride[1];
-  HWY_ALIGN static const float kZeros[hn::MaxLanes(DF())] = {};
   const float* krows[hn::MaxLanes(DF())];
   const hn::RebindToSigned<DF> di;
 
+  const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
   for (int64_t j0 = ua; j0 < ub; j0 += static_cast<int64_t>(block)) {
     const int64_t jn = std::min<int64_t>(static_cast<int64_t>(block), ub - j0);
-    // Kt[d][x] = K[j0 + x][d], N keys and N dims at a time; missing keys read as zeros. With
-    // each transpose go the prefetches (into L2) of the same lines of K and V one block ahead:
-    // this kernel is bound by that stream. Measured at 256 MiB: +40% over no prefetching; a
-    // burst of all of a block's prefetches at once, or prefetching 2 or 4 blocks ahead, no better.
-    const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
-    const int64_t ahead = j0 + ahead_keys;
+    // Scores: for each N keys, every row's N dot products (head dim in the lanes), K rows read
+    // in memory order. With them go the prefetches (into L2) of the next block's K and V rows:
+    // this kernel is bound by that stream (measured at 256 MiB: +40% over no prefetching).
+    const bool tail = D % N != 0;
     for (size_t kv = 0; kv < kBlockVecs; ++kv) {
       const int64_t first = j0 + static_cast<int64_t>(kv * N);
-      const float* pk[hn::MaxLanes(DF())];
-      const float* pv[hn::MaxLanes(DF())];
       for (size_t x = 0; x < N; ++x) {
         const int64_t j = first + static_cast<int64_t>(x);
-        krows[x] = j < j0 + jn ? kbase + j * p.k_stride[2] : kZeros;
-        const bool pf = j + ahead_keys < ub;
-        pk[x] = pf ? kbase + (j + ahead_keys) * p.k_stride[2] : kZeros;
-        pv[x] = pf ? vbase + (j + ahead_keys) * p.v_stride[2] : kZeros;
-      }
-      for (size_t dd = 0; dd < D; dd += N) {
-        for (size_t x = 0; x < N; ++x) {
-          __builtin_prefetch(pk[x] + dd, 0, 1);
-          __builtin_prefetch(pv[x] + dd, 0, 1);
+        krows[x] = j < j0 + jn ? kbase + j * p.k_stride[2] : zrow;
+        if (j + ahead_keys < ub) {
+          for (size_t dd = 0; dd < D; dd += 16) __builtin_prefetch(kbase + (j + ahead_keys) * p.k_stride[2] + dd, 0, 1);
+          for (size_t dd = 0; dd < Dv; dd += 16) __builtin_prefetch(vbase + (j + ahead_keys) * p.v_stride[2] + dd, 0, 1);
         }
-        Transpose(d, krows, std::min(N, D - dd), kt + dd * block + kv * N, block, 1.0f);
-        for (size_t x = 0; x < N; ++x) krows[x] += krows[x] == kZeros ? 0 : N;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const auto sc = tail ? DotScores<true>(d, qs + r * ldq, krows, D) : DotScores<false>(d, qs + r * ldq, krows, D);
+        hn::Store(sc, d, s + r * block + kv * N);
       }
     }
-    // V columns beyond the head dim of K still need their prefetches.
-    for (int64_t j = ahead; j < std::min<int64_t>(ub, ahead + static_cast<int64_t>(block)); ++j)
-      for (size_t x = D; x < Dv; x += N) __builtin_prefetch(vbase + j * p.v_stride[2] + x, 0, 1);
-    ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
-      switch (rg) {
-        case 1: DecodeScores<1>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
-#if HWY_TARGET <= HWY_AVX3
-        case 2: DecodeScores<2>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
-        case 3: DecodeScores<3>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
-        case 4: DecodeScores<4>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
-        case 5: DecodeScores<5>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
-#endif
-        default: DecodeScores<kRowGroup>(d, qs + r0 * ldq, ldq, kt, block, D, s + r0 * block, block); break;
-      }
-    });
     // Mask, then the online softmax of each row (keys in lanes: horizontal max and sum).
     for (int64_t r = 0; r < R; ++r) {
       float* sr = s + r * block;
@@ -265,6 +244,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 // Merges the chunks of (b, hk) in order and writes out and lse.
 void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const float* o, const float* m,
            const float* l, size_t dvp) {
+  float* acc = Workspace::local().get<float>(7, static_cast<size_t>(p.v_dim));
   const int64_t R = p.group() * p.q_len;
   const DecodeRows rows{R};
   for (int64_t r = 0; r < R; ++r) {
@@ -273,7 +253,7 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
     const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
     float* out = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
     float sum = 0.0f;
-    std::vector<float> acc(static_cast<size_t>(p.v_dim), 0.0f);
+    std::fill(acc, acc + p.v_dim, 0.0f);
     if (mx != kNegInf) {
       for (int64_t s = 0; s < parts; ++s) {
         if (l[s * R + r] == 0.0f) continue;  // this chunk saw nothing of the row
@@ -307,22 +287,34 @@ void FlashDecode(const AttentionParams& p, int num_threads) {
   const Split split = ChooseSplit(p, block);
   const int64_t heads = p.batch * p.kv_heads, R = p.group() * p.q_len;
   const size_t dvp = (static_cast<size_t>(p.v_dim) + N - 1) / N * N;
-  // Partial results of every chunk: O(B·Hkv·S·R·Dv) floats, the size of the output times S;
-  // 64-byte aligned (the output tiles are loaded and stored as whole vectors).
+  if (split.parts == 1) {
+    // One chunk per (b, kv head): each task merges (normalises) its own result, one region.
+    parallel_for(heads, num_threads, [&](int64_t bh) {
+      Workspace& ws = Workspace::local();
+      float* o = ws.get<float>(8, static_cast<size_t>(R) * dvp);
+      float* m = ws.get<float>(9, static_cast<size_t>(R));
+      float* l = ws.get<float>(10, static_cast<size_t>(R));
+      DecodeChunk(p, bh / p.kv_heads, bh % p.kv_heads, 0, p.kv_len, o, m, l);
+      Merge(p, bh / p.kv_heads, bh % p.kv_heads, 1, o, m, l, dvp);
+    });
+    return;
+  }
+  // Partial results of every chunk, in this thread's workspace (reused across calls): O(B·Hkv·S·R·Dv)
+  // floats, the size of the output times S; 64-byte aligned.
   const size_t rows = static_cast<size_t>(heads * split.parts * R);
-  auto o = hwy::AllocateAligned<float>(std::max<size_t>(rows * dvp, 1));
-  auto m = hwy::AllocateAligned<float>(std::max<size_t>(rows, 1));
-  auto l = hwy::AllocateAligned<float>(std::max<size_t>(rows, 1));
-  if (!o || !m || !l) throw std::bad_alloc();
+  Workspace& ws = Workspace::local();
+  float* o = ws.get<float>(8, rows * dvp);
+  float* m = ws.get<float>(9, rows);
+  float* l = ws.get<float>(10, rows);
   parallel_for(heads * split.parts, num_threads, [&](int64_t t) {
     const int64_t bh = t / split.parts, s = t % split.parts;
     const size_t at = static_cast<size_t>(t * R);
     DecodeChunk(p, bh / p.kv_heads, bh % p.kv_heads, s * split.chunk, std::min(p.kv_len, (s + 1) * split.chunk),
-                o.get() + at * dvp, m.get() + at, l.get() + at);
+                o + at * dvp, m + at, l + at);
   });
   parallel_for(heads, num_threads, [&](int64_t bh) {
     const size_t at = static_cast<size_t>(bh * split.parts * R);
-    Merge(p, bh / p.kv_heads, bh % p.kv_heads, split.parts, o.get() + at * dvp, m.get() + at, l.get() + at, dvp);
+    Merge(p, bh / p.kv_heads, bh % p.kv_heads, split.parts, o + at * dvp, m + at, l + at, dvp);
   });
 }
 
