@@ -147,8 +147,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     double scale = 1e-30, ep = 0, ef = 0;
     for (int64_t i = 0; i < r.numel(); ++i) {
       const float x = f.data<float>()[i], y = r.data<float>()[i], z = pl.data<float>()[i];
-      if (std::isnan(y) != std::isnan(x)) __builtin_trap();
-      if (std::isinf(y) && x != y) __builtin_trap();
+      if (std::isnan(y) != std::isnan(x) || (std::isinf(y) && x != y)) {
+        std::fprintf(stderr, "non-finite mismatch at [%ld]: fast %g ref %g (B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld D=%ld "
+                     "Dv=%ld causal=%d window=%ld p=%g keep=%d bias=%d lengths=%d weights=%d)\n", (long)i, x, y,
+                     (long)B, (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal,
+                     (long)opt.window, opt.dropout_p, ai.keep_mask.given(), ai.bias.given(), ai.key_lengths.given(),
+                     weights);
+        if (std::getenv("MHA_FUZZ_VERBOSE")) {
+          const int64_t w = r.shape().back(), row = i / w;
+          for (int64_t j = 0; j < w; ++j)
+            std::fprintf(stderr, "  [%ld] fast %g ref %g plain %g\n", (long)j, f.data<float>()[row * w + j],
+                         r.data<float>()[row * w + j], pl.data<float>()[row * w + j]);
+        }
+        __builtin_trap();
+      }
       if (!std::isfinite(y)) continue;
       scale = std::max(scale, std::fabs(static_cast<double>(y)));
       ef = std::max(ef, std::fabs(static_cast<double>(x) - y));

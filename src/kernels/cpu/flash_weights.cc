@@ -58,7 +58,10 @@ void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t 
     for (int64_t j = 0; j < k.n; ++j)
       for (size_t rv = 0; rv < t.nvec; ++rv) {
         float* s = st + j * M + rv * N;
-        hn::Store(Exp2(d, hn::Mul(hn::Sub(hn::Load(d, s), hn::Load(d, shift + rv * N)), hn::Set(d, kLog2e))), d, s);
+        // Masked keys (-inf) are 0 even in a NaN row, where -inf - NaN would give NaN.
+        const auto x = hn::Load(d, s);
+        const auto e = Exp2(d, hn::Mul(hn::Sub(x, hn::Load(d, shift + rv * N)), hn::Set(d, kLog2e)));
+        hn::Store(hn::IfThenZeroElse(hn::Eq(x, hn::Set(d, kNegInf)), e), d, s);
       }
     if (drop.active()) DropBlock(p, drop, t, k, st);
     for (int64_t r = 0; r < t.rows; ++r)

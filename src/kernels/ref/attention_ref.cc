@@ -62,13 +62,16 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
   }
   const bool fully_masked = max == kNegInf;
 
+  // A key contributes unless it is masked or its score is -inf: those weights are exactly 0,
+  // also in a NaN row (where exp(-inf - NaN) would be NaN).
+  auto contributes = [&](int64_t j) { return visible[j] && !fully_masked && score[j] != kNegInf; };
   Acc sum = 0;
   for (int64_t j = 0; j < Tk; ++j) {
-    row.prob[j] = visible[j] && !fully_masked ? std::exp(score[j] - max) : Acc(0);
+    row.prob[j] = contributes(j) ? std::exp(score[j] - max) : Acc(0);
     sum += row.prob[j];
   }
   for (int64_t j = 0; j < Tk; ++j) {
-    row.prob[j] = fully_masked ? Acc(0) : row.prob[j] / sum;
+    row.prob[j] = contributes(j) ? row.prob[j] / sum : Acc(0);
     if (dropout.active()) row.prob[j] = dropout.keep(b, h, i, j) ? row.prob[j] * dropout.scale() : Acc(0);
   }
   for (int64_t j = 0; j < Tk; ++j) {
