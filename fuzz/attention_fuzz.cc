@@ -142,6 +142,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const double v_max = max_abs(v) * drop_scale;
   const double derived_out = v_max * (2 * ds + 4 * u + (Tk + 8) * u);
   const double derived_prob = drop_scale * (2 * ds + 4 * u);
+  auto dump_inputs = [&] {
+    if (const char* path = std::getenv("MHA_FUZZ_DUMP")) {  // triage: the failing inputs
+      mha::StateDict dump;
+      dump.emplace("query", q.clone());
+      dump.emplace("key", k.clone());
+      dump.emplace("value", v.clone());
+      mha::write_safetensors(path, dump);
+    }
+  };
   auto check = [&](const Tensor& f, const Tensor& r, const Tensor& pl, double derived) {
     if (!f.defined()) return;
     double scale = 1e-30, ep = 0, ef = 0;
@@ -159,6 +168,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             std::fprintf(stderr, "  [%ld] fast %g ref %g plain %g\n", (long)j, f.data<float>()[row * w + j],
                          r.data<float>()[row * w + j], pl.data<float>()[row * w + j]);
         }
+        dump_inputs();
         __builtin_trap();
       }
       if (!std::isfinite(y)) continue;
@@ -171,13 +181,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                    "D=%ld Dv=%ld causal=%d window=%ld p=%g keep=%d bias=%d lengths=%d)\n", ef, ep, derived, scale,
                    (long)B, (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal,
                    (long)opt.window, opt.dropout_p, ai.keep_mask.given(), ai.bias.given(), ai.key_lengths.given());
-      if (const char* path = std::getenv("MHA_FUZZ_DUMP")) {  // triage: the failing inputs
-        mha::StateDict dump;
-        dump.emplace("query", q.clone());
-        dump.emplace("key", k.clone());
-        dump.emplace("value", v.clone());
-        mha::write_safetensors(path, dump);
-      }
+      dump_inputs();
       __builtin_trap();
     }
   };

@@ -83,6 +83,22 @@ struct AttentionOptions {
 void attention(const AttentionInputs& in, const AttentionOutputs& out,
                const AttentionOptions& options = {});
 
+// Gradients of a loss with respect to query, key and value (overwritten).
+struct AttentionGrads {
+  View<float> grad_query;  // (B, Hq, Tq, Dqk)
+  View<float> grad_key;    // (B, Hkv, Tk, Dqk): summed over the query heads of each group
+  View<float> grad_value;  // (B, Hkv, Tk, Dv)
+};
+
+// The backward of attention(): `in` and `options` as given to the forward (the same dropout
+// seed regenerates the same dropout mask), its output `out` and `lse`, and grad_out = dL/d out.
+// Memory O(T·D) per thread; the same bits for any thread count (no atomics). Masked keys and
+// fully masked rows receive zero gradient. Gradients of keep_mask, bias and key_lengths are
+// not computed.
+void attention_backward(const AttentionInputs& in, const View<const float>& out, const View<const float>& lse,
+                        const View<const float>& grad_out, const AttentionGrads& grads,
+                        const AttentionOptions& options = {});
+
 }  // namespace mha
 
 #endif  // MHA_ATTENTION_H_

@@ -13,7 +13,7 @@ namespace mha::kernels {
 
 class Workspace {
  public:
-  static constexpr int kSlots = 12;
+  static constexpr int kSlots = 24;
 
   // This thread's workspace.
   static Workspace& local() {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/attention_params.h"
+#include "kernels/ref/attention_bwd_ref.h"
 
 namespace mha::kernels {
 
@@ -19,6 +20,9 @@ void flash_weights(const AttentionParams& p, const float* row_lse, int num_threa
 
 // "flash_fwd_f32_AVX3_r48_k64": the variant that runs on this CPU.
 std::string flash_forward_name();
+
+// The backward (p as in the forward, with p.out and p.lse the forward's results).
+void flash_backward(const AttentionParams& p, const AttentionGradParams& g, int num_threads);
 
 // Decoding: at most kMaxDecodeRows query rows per kv head (Tq · Hq/Hkv), no keep mask, bias,
 // dropout or weights, unit-stride K/V rows (decode_applies). Writes out and lse.

@@ -113,31 +113,32 @@ inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_
   return t;
 }
 
-// Qt[d][r] = q[row r][d] · scale; zero for invalid rows. N rows at a time through an
-// in-register transpose when the head dim is contiguous. (log2 e is applied later, to s - m:
-// folding it in here would add a rounding of every score that plain float32 does not have.)
-inline void PackQueries(DF d, const AttentionParams& p, const TaskRows& t, float* qt) {
-  const size_t N = hn::Lanes(d), D = static_cast<size_t>(p.qk_dim);
-  const float c = p.scale;
-  if (p.q_stride[3] != 1) {
-    for (size_t r = 0; r < t.mpad; ++r) {
-      const float* q = p.q + t.b * p.q_stride[0] + t.head[r] * p.q_stride[1] + t.query[r] * p.q_stride[2];
-      for (size_t dd = 0; dd < D; ++dd) qt[dd * t.mpad + r] = t.valid[r] ? q[dd * p.q_stride[3]] * c : 0.0f;
-    }
+// dst[d][r] = src[row r][d] · scale for d < width (src: a (B, H, T, width) tensor with strides
+// st, rows of the task); zero for invalid rows. N rows at a time through an in-register
+// transpose when the last dim is contiguous.
+inline void PackTransposed(DF d, const TaskRows& t, const float* src, const Strides4& st, int64_t width, float scale,
+                           float* dst) {
+  const size_t N = hn::Lanes(d), W = static_cast<size_t>(width);
+  auto row = [&](size_t r) { return src + t.b * st[0] + t.head[r] * st[1] + t.query[r] * st[2]; };
+  if (st[3] != 1) {
+    for (size_t r = 0; r < t.mpad; ++r)
+      for (size_t dd = 0; dd < W; ++dd) dst[dd * t.mpad + r] = t.valid[r] ? row(r)[dd * st[3]] * scale : 0.0f;
     return;
   }
   HWY_ALIGN static const float kZeros[hn::MaxLanes(DF())] = {};
   const float* rows[hn::MaxLanes(DF())];
   for (size_t r0 = 0; r0 < t.mpad; r0 += N) {
-    for (size_t dd = 0; dd < D; dd += N) {
-      for (size_t x = 0; x < N; ++x) {
-        const size_t r = r0 + x;
-        rows[x] = t.valid[r] ? p.q + t.b * p.q_stride[0] + t.head[r] * p.q_stride[1] + t.query[r] * p.q_stride[2] + dd
-                             : kZeros;
-      }
-      Transpose(d, rows, std::min(N, D - dd), qt + dd * t.mpad + r0, t.mpad, c);
+    for (size_t dd = 0; dd < W; dd += N) {
+      for (size_t x = 0; x < N; ++x) rows[x] = t.valid[r0 + x] ? row(r0 + x) + dd : kZeros;
+      Transpose(d, rows, std::min(N, W - dd), dst + dd * t.mpad + r0, t.mpad, scale);
     }
   }
+}
+
+// Qt[d][r] = q[row r][d] · scale. (log2 e is applied later, to s - m: folding it in here
+// would add a rounding of every score that plain float32 does not have.)
+inline void PackQueries(DF d, const AttentionParams& p, const TaskRows& t, float* qt) {
+  PackTransposed(d, t, p.q, p.q_stride, p.qk_dim, p.scale, qt);
 }
 
 enum class BlockKind { kSkip, kFull, kPartial };

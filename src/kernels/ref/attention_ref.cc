@@ -75,7 +75,7 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
     if (dropout.active()) row.prob[j] = dropout.keep(b, h, i, j) ? row.prob[j] * dropout.scale() : Acc(0);
   }
   for (int64_t j = 0; j < Tk; ++j) {
-    if (!visible[j]) continue;  // value rows of invisible keys are never read (no 0 * NaN)
+    if (!contributes(j)) continue;  // value rows of keys that do not contribute are never read (no 0 * NaN)
     const float* v = p.v + b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2];
     for (int64_t d = 0; d < p.v_dim; ++d) row.out[d] += row.prob[j] * static_cast<Acc>(v[d * p.v_stride[3]]);
   }

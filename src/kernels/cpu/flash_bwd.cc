@@ -1,0 +1,271 @@
+// The fast attention backward (FlashAttention-2, Algorithm 2, adapted to the CPU), float32,
+// compiled per SIMD target like the forward.
+//
+// A task is one (batch, kv head): all its key blocks (outer loop) against all query blocks of
+// its G query heads (inner loop). Per pair of blocks, with query rows in the lanes as in the
+// forward (tiles stored keys × rows):
+//   St   = K_blk · Qtᵀ                  (Q pre-scaled)          recomputed, masked as the forward
+//   P    = 2^((St - lse)·log2 e)                                from the forward's LSE
+//   dPt  = V_blk · dOtᵀ,  dP = dP_d ⊙ Z/(1-p)                   (Z: regenerated dropout keeps)
+//   dSt  = P ⊙ (dP - D_row),   D_row = rowsum(dO ⊙ O)           (computed once per task)
+//   dV_blk += P_dᵀ · dO,  dK_blk += dSᵀ · Q,  dQ_task += dS · K_blk
+// and dK = scale·dK_blk, dQ = scale·dQ_task at the end. dK and dV of a kv head sum over its G
+// query heads inside one task and dQ belongs to the task, so there are no atomics and the
+// result has the same bits for any thread count. Memory per thread: O((Bk + M)·D) for the
+// tiles plus O(G·Tq·D) for dQ.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/flash_bwd.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <cmath>
+#include <limits>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/exp2-inl.h"
+#include "kernels/cpu/flash.h"
+#include "kernels/cpu/flash_blocks-inl.h"
+#include "kernels/cpu/flash_plan.h"
+#include "util/parallel.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace {
+
+using namespace flash;  // NOLINT(build/namespaces): the shared block helpers
+
+#if HWY_TARGET <= HWY_AVX3
+constexpr size_t kOuterRows = 6, kOuterVecs = 4;  // 24 accumulators
+#else
+constexpr size_t kOuterRows = 3, kOuterVecs = 4;  // 12 accumulators
+#endif
+
+// C[a][c] += Σ_{x < nx} A(x, a) · B[x][c] for RA values of a and CV vectors of c, with
+// A(x, a) = A[x·sx + a·sa] (scalar broadcasts) and B rows of stride sb (vector loads).
+template <size_t RA, size_t CV>
+HWY_INLINE void OuterTile(DF d, const float* HWY_RESTRICT A, int64_t sx, int64_t sa, const float* HWY_RESTRICT B,
+                          size_t sb, size_t nx, float* HWY_RESTRICT C, size_t ldc) {
+  using V = hn::Vec<DF>;
+  const size_t N = hn::Lanes(d);
+  V acc[RA][CV];
+  for (size_t a = 0; a < RA; ++a)
+    for (size_t c = 0; c < CV; ++c) acc[a][c] = hn::Load(d, C + a * ldc + c * N);
+  for (size_t x = 0; x < nx; ++x) {
+    V b[CV];
+    for (size_t c = 0; c < CV; ++c) b[c] = hn::Load(d, B + x * sb + c * N);
+    const float* ax = A + static_cast<int64_t>(x) * sx;
+    for (size_t a = 0; a < RA; ++a) {
+      const V av = hn::Set(d, ax[static_cast<int64_t>(a) * sa]);
+      for (size_t c = 0; c < CV; ++c) acc[a][c] = hn::MulAdd(av, b[c], acc[a][c]);
+    }
+  }
+  for (size_t a = 0; a < RA; ++a)
+    for (size_t c = 0; c < CV; ++c) hn::Store(acc[a][c], d, C + a * ldc + c * N);
+}
+
+// C (na × cols, cols a multiple of N, row stride ldc) += Σ_x A(x, a) · B[x][·].
+void Outer(DF d, const float* A, int64_t sx, int64_t sa, const float* B, size_t sb, size_t nx, size_t na, size_t cols,
+           float* C, size_t ldc) {
+  const size_t N = hn::Lanes(d);
+  for (size_t c0 = 0; c0 < cols; c0 += kOuterVecs * N) {
+    const size_t cv = std::min(kOuterVecs, (cols - c0) / N);
+    for (size_t a0 = 0; a0 < na; a0 += kOuterRows) {
+      const size_t ra = std::min(kOuterRows, na - a0);
+      const float* Aa = A + static_cast<int64_t>(a0) * sa;
+      float* Cc = C + a0 * ldc + c0;
+      const float* Bc = B + c0;
+#define MHA_OUTER(RA)                                                             \
+  switch (cv) {                                                                  \
+    case 1: OuterTile<RA, 1>(d, Aa, sx, sa, Bc, sb, nx, Cc, ldc); break;         \
+    case 2: OuterTile<RA, 2>(d, Aa, sx, sa, Bc, sb, nx, Cc, ldc); break;         \
+    case 3: OuterTile<RA, 3>(d, Aa, sx, sa, Bc, sb, nx, Cc, ldc); break;         \
+    default: OuterTile<RA, kOuterVecs>(d, Aa, sx, sa, Bc, sb, nx, Cc, ldc); break; \
+  }
+      switch (ra) {
+        case 1: MHA_OUTER(1); break;
+        case 2: MHA_OUTER(2); break;
+#if HWY_TARGET <= HWY_AVX3
+        case 3: MHA_OUTER(3); break;
+        case 4: MHA_OUTER(4); break;
+        case 5: MHA_OUTER(5); break;
+#endif
+        default: MHA_OUTER(kOuterRows); break;
+      }
+#undef MHA_OUTER
+    }
+  }
+}
+
+// Rows of the task as a row-major (mpad × ld) tile, zero past `width` and for invalid rows.
+void PackRows(const TaskRows& t, const float* src, const Strides4& st, int64_t width, size_t ld, float* dst) {
+  for (size_t r = 0; r < t.mpad; ++r) {
+    float* out = dst + r * ld;
+    std::fill(out, out + ld, 0.0f);
+    if (!t.valid[r]) continue;
+    const float* row = src + t.b * st[0] + t.head[r] * st[1] + t.query[r] * st[2];
+    for (int64_t c = 0; c < width; ++c) out[c] = row[c * st[3]];
+  }
+}
+
+size_t RoundUp(size_t x, size_t n) { return (x + n - 1) / n * n; }
+
+void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const FlashPlan& plan, int64_t b,
+                  int64_t hk) {
+  const DF d;
+  const size_t N = hn::Lanes(d);
+  const int64_t G = p.group(), Tq = p.q_len;
+  const size_t D = static_cast<size_t>(p.qk_dim), Dv = static_cast<size_t>(p.v_dim);
+  const size_t Dp = RoundUp(D, N), Dvp = RoundUp(Dv, N);
+  Workspace& ws = Workspace::local();
+  const size_t mmax = RoundUp(static_cast<size_t>(plan.rows), N);
+  float* qt = ws.get<float>(2, D * mmax);       // Q transposed, scaled
+  float* st = ws.get<float>(3, kKeyBlock * mmax);  // scores, then P, then dS
+  float* dot = ws.get<float>(12, std::max<size_t>(Dv, 1) * mmax);  // dO transposed
+  float* dpt = ws.get<float>(13, kKeyBlock * mmax);  // dP
+  float* pdt = ws.get<float>(14, kKeyBlock * mmax);  // P with dropout (for dV)
+  float* qrows = ws.get<float>(15, mmax * Dp);
+  float* dorows = ws.get<float>(16, mmax * Dvp);
+  float* kblk = ws.get<float>(17, kKeyBlock * Dp);
+  float* dk = ws.get<float>(18, kKeyBlock * Dp);
+  float* dv = ws.get<float>(19, kKeyBlock * Dvp);
+  float* dq = ws.get<float>(20, static_cast<size_t>(G * Tq) * Dp);
+  float* lse = ws.get<float>(21, static_cast<size_t>(G * Tq));
+  float* drow = ws.get<float>(22, static_cast<size_t>(G * Tq));
+  float* rowvec = ws.get<float>(23, 2 * mmax);  // per q block: lse and D of its rows
+  std::fill(dq, dq + static_cast<size_t>(G * Tq) * Dp, 0.0f);
+
+  // Per row of the task: the forward's LSE and D = rowsum(dO ⊙ O).
+  for (int64_t gg = 0; gg < G; ++gg) {
+    const int64_t h = hk * G + gg;
+    for (int64_t i = 0; i < Tq; ++i) {
+      const float* o = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+      const float* go = g.grad_out + b * g.grad_out_stride[0] + h * g.grad_out_stride[1] + i * g.grad_out_stride[2];
+      double acc = 0;
+      for (size_t c = 0; c < Dv; ++c)
+        acc += static_cast<double>(o[static_cast<int64_t>(c) * p.out_stride[3]]) * go[static_cast<int64_t>(c) * g.grad_out_stride[3]];
+      drow[gg * Tq + i] = static_cast<float>(acc);
+      const float l = p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]];
+      lse[gg * Tq + i] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l;
+    }
+  }
+
+  const float* kbase = p.k + b * p.k_stride[0] + hk * p.k_stride[1];
+  const float* vbase = p.v + b * p.v_stride[0] + hk * p.v_stride[1];
+  const Dropout drop(p.dropout_p, p.dropout_seed);
+  const auto log2e = hn::Set(d, kLog2e);
+
+  for (int64_t jb = 0; jb < p.kv_len; jb += kKeyBlock) {
+    const size_t nk = static_cast<size_t>(std::min(kKeyBlock, p.kv_len - jb));
+    std::fill(dk, dk + kKeyBlock * Dp, 0.0f);
+    std::fill(dv, dv + kKeyBlock * Dvp, 0.0f);
+    for (size_t j = 0; j < nk; ++j) {  // K rows of the block, padded: the dQ product loads them
+      const float* krow = kbase + (jb + static_cast<int64_t>(j)) * p.k_stride[2];
+      for (size_t c = 0; c < Dp; ++c) kblk[j * Dp + c] = c < D ? krow[static_cast<int64_t>(c) * p.k_stride[3]] : 0.0f;
+    }
+    bool touched = false;
+    for (int64_t qb = 0; qb < plan.q_blocks; ++qb) {
+      const TaskRows t = MakeRows(p, plan, b, hk, qb, N, ws);
+      if (t.keys.hi <= jb || t.keys.lo >= jb + kKeyBlock || t.keys.hi <= t.keys.lo) continue;
+      const KeyBlock k = MakeBlock(p, t, jb);
+      if (k.kind == BlockKind::kSkip) continue;
+      touched = true;
+      const size_t M = t.mpad;
+      PackQueries(d, p, t, qt);
+      PackTransposed(d, t, g.grad_out, g.grad_out_stride, p.v_dim, 1.0f, dot);
+      PackRows(t, p.q, p.q_stride, p.qk_dim, Dp, qrows);
+      PackRows(t, g.grad_out, g.grad_out_stride, p.v_dim, Dvp, dorows);
+      float* lse_r = rowvec;
+      float* d_r = rowvec + M;
+      for (size_t r = 0; r < M; ++r) {
+        const int64_t idx = t.valid[r] ? (t.head[r] - hk * G) * Tq + t.query[r] : 0;
+        lse_r[r] = t.valid[r] ? lse[idx] : std::numeric_limits<float>::infinity();
+        d_r[r] = t.valid[r] ? drow[idx] : 0.0f;
+      }
+
+      // S and P, exactly as the forward's weights pass.
+      if (p.k_stride[3] == 1) {
+        ScoresBlock<true>(d, qt, M, t.nvec, kbase, p.k_stride[2], 1, k.a, k.n, p.kv_len, D, st);
+      } else {
+        ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
+      }
+      if (k.kind == BlockKind::kPartial || p.bias) MaskBlock(d, p, t, k, st);
+      // dP = V · dOᵀ for the same keys (rows of V past Tk read the last row; their P is 0).
+      if (p.v_stride[3] == 1) {
+        ScoresBlock<true>(d, dot, M, t.nvec, vbase, p.v_stride[2], 1, k.a, k.n, p.kv_len, Dv, dpt);
+      } else {
+        ScoresBlock<false>(d, dot, M, t.nvec, vbase, p.v_stride[2], p.v_stride[3], k.a, k.n, p.kv_len, Dv, dpt);
+      }
+      for (int64_t j = 0; j < k.n; ++j)
+        for (size_t rv = 0; rv < t.nvec; ++rv) {
+          float* s = st + j * M + rv * N;
+          const auto x = hn::Load(d, s);
+          const auto pr = hn::IfThenZeroElse(hn::Eq(x, hn::Set(d, kNegInf)),
+                                             Exp2(d, hn::Mul(hn::Sub(x, hn::Load(d, lse_r + rv * N)), log2e)));
+          hn::Store(pr, d, s);
+        }
+      // Dropout: P_d = P ⊙ Z/(1-p) for dV, dP = dP_d ⊙ Z/(1-p).
+      std::copy(st, st + k.n * M, pdt);
+      if (drop.active()) {
+        DropBlock(p, drop, t, k, pdt);
+        DropBlock(p, drop, t, k, dpt);
+      }
+      // dS = P ⊙ (dP - D), zero where P is 0 (masked keys never touch K or V).
+      for (int64_t j = 0; j < k.n; ++j)
+        for (size_t rv = 0; rv < t.nvec; ++rv) {
+          float* s = st + j * M + rv * N;
+          const auto pr = hn::Load(d, s);
+          const auto ds = hn::Mul(pr, hn::Sub(hn::Load(d, dpt + j * M + rv * N), hn::Load(d, d_r + rv * N)));
+          hn::Store(hn::IfThenZeroElse(hn::Eq(pr, hn::Zero(d)), ds), d, s);
+        }
+      const size_t nv = static_cast<size_t>(k.nv), koff = static_cast<size_t>(k.a - jb);
+      // dV[j] += Σ_r P_d[j][r] · dO[r];  dK[j] += Σ_r dS[j][r] · Q[r]   (x = r, a = j)
+      Outer(d, pdt, 1, static_cast<int64_t>(M), dorows, Dvp, M, nv, Dvp, dv + koff * Dvp, Dvp);
+      Outer(d, st, 1, static_cast<int64_t>(M), qrows, Dp, M, nv, Dp, dk + koff * Dp, Dp);
+      // dQ[r] += Σ_j dS[j][r] · K[j]   (x = j, a = r), into the task's dQ rows.
+      float* dq_blk = ws.get<float>(11, M * Dp);
+      std::fill(dq_blk, dq_blk + M * Dp, 0.0f);
+      Outer(d, st, static_cast<int64_t>(M), 1, kblk + koff * Dp, Dp, nv, M, Dp, dq_blk, Dp);
+      for (size_t r = 0; r < M; ++r) {
+        if (!t.valid[r]) continue;
+        float* dst = dq + static_cast<size_t>((t.head[r] - hk * G) * Tq + t.query[r]) * Dp;
+        for (size_t c = 0; c < D; ++c) dst[c] += dq_blk[r * Dp + c];
+      }
+    }
+    // dK = scale · dSᵀQ, dV: every key of the block is written (zeros if no row saw it).
+    for (size_t j = 0; j < nk; ++j) {
+      float* gk = g.grad_k + b * g.grad_k_stride[0] + hk * g.grad_k_stride[1] + (jb + static_cast<int64_t>(j)) * g.grad_k_stride[2];
+      float* gv = g.grad_v + b * g.grad_v_stride[0] + hk * g.grad_v_stride[1] + (jb + static_cast<int64_t>(j)) * g.grad_v_stride[2];
+      for (size_t c = 0; c < D; ++c) gk[static_cast<int64_t>(c) * g.grad_k_stride[3]] = touched ? dk[j * Dp + c] * p.scale : 0.0f;
+      for (size_t c = 0; c < Dv; ++c) gv[static_cast<int64_t>(c) * g.grad_v_stride[3]] = touched ? dv[j * Dvp + c] : 0.0f;
+    }
+  }
+  for (int64_t gg = 0; gg < G; ++gg) {
+    const int64_t h = hk * G + gg;
+    for (int64_t i = 0; i < Tq; ++i) {
+      float* gq = g.grad_q + b * g.grad_q_stride[0] + h * g.grad_q_stride[1] + i * g.grad_q_stride[2];
+      const float* src = dq + static_cast<size_t>(gg * Tq + i) * Dp;
+      for (size_t c = 0; c < D; ++c) gq[static_cast<int64_t>(c) * g.grad_q_stride[3]] = src[c] * p.scale;
+    }
+  }
+}
+
+}  // namespace
+
+void FlashBackward(const AttentionParams& p, const AttentionGradParams& g, int num_threads) {
+  const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
+  parallel_for(p.batch * p.kv_heads, num_threads, [&](int64_t t) { BackwardTask(p, g, plan, t / p.kv_heads, t % p.kv_heads); });
+}
+
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace mha::kernels {
+
+HWY_EXPORT(FlashBackward);
+
+void flash_backward(const AttentionParams& p, const AttentionGradParams& g, int num_threads) {
+  HWY_DYNAMIC_DISPATCH(FlashBackward)(p, g, num_threads);
+}
+
+}  // namespace mha::kernels
+#endif  // HWY_ONCE

@@ -1,0 +1,98 @@
+#include "kernels/ref/attention_bwd_ref.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels/dropout.h"
+
+namespace mha::kernels {
+
+template <typename Acc>
+void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams& g, int64_t b, int64_t hk) {
+  constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
+  const int64_t Tk = p.kv_len, D = p.qk_dim, Dv = p.v_dim;
+  const Dropout dropout(p.dropout_p, p.dropout_seed);
+  std::vector<Acc> dk(Tk * D, Acc(0)), dv(Tk * Dv, Acc(0)), score(Tk), prob(Tk), dprob(Tk), dq(D);
+  std::vector<bool> contributes(Tk);
+  auto K = [&](int64_t j, int64_t d) {
+    return static_cast<Acc>(p.k[b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2] + d * p.k_stride[3]]);
+  };
+  auto V = [&](int64_t j, int64_t d) {
+    return static_cast<Acc>(p.v[b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2] + d * p.v_stride[3]]);
+  };
+  for (int64_t g_ = 0; g_ < p.group(); ++g_) {
+    const int64_t h = hk * p.group() + g_;
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      auto Q = [&](int64_t d) {
+        return static_cast<Acc>(p.q[b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2] + d * p.q_stride[3]]);
+      };
+      auto dO = [&](int64_t d) {
+        return static_cast<Acc>(g.grad_out[b * g.grad_out_stride[0] + h * g.grad_out_stride[1] +
+                                           i * g.grad_out_stride[2] + d * g.grad_out_stride[3]]);
+      };
+      // Recompute the probabilities as the forward does.
+      const KeyRange range = visible_keys(p, b, i);
+      Acc max = kNegInf;
+      bool nan = false;
+      for (int64_t j = 0; j < Tk; ++j) {
+        bool vis = j >= range.lo && j < range.hi;
+        if (vis && p.keep) {
+          vis = p.keep[b * p.keep_stride[0] + h * p.keep_stride[1] + i * p.keep_stride[2] + j * p.keep_stride[3]] != 0;
+        }
+        contributes[j] = vis;
+        if (!vis) continue;
+        Acc dot = 0;
+        for (int64_t d = 0; d < D; ++d) dot += Q(d) * K(j, d);
+        Acc s = static_cast<Acc>(p.scale) * dot;
+        if (p.bias) {
+          s += static_cast<Acc>(p.bias[b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] +
+                                       j * p.bias_stride[3]]);
+        }
+        score[j] = s;
+        nan |= std::isnan(s);
+        if (s > max) max = s;
+        contributes[j] = s != kNegInf;
+      }
+      if (nan) max = std::numeric_limits<Acc>::quiet_NaN();
+      Acc sum = 0;
+      for (int64_t j = 0; j < Tk; ++j) sum += contributes[j] ? std::exp(score[j] - max) : Acc(0);
+      // dP and D = Σ_j P_d dP_d over the contributing keys.
+      Acc Drow = 0;
+      for (int64_t j = 0; j < Tk; ++j) {
+        if (!contributes[j]) continue;
+        prob[j] = std::exp(score[j] - max) / sum;
+        Acc dpd = 0;
+        for (int64_t d = 0; d < Dv; ++d) dpd += dO(d) * V(j, d);
+        const bool kept = !dropout.active() || dropout.keep(b, h, i, j);
+        const Acc drop_scale = dropout.active() ? static_cast<Acc>(dropout.scale()) : Acc(1);
+        dprob[j] = kept ? dpd * drop_scale : Acc(0);  // dP = dP_d ⊙ Z/(1-p)
+        Drow += prob[j] * dprob[j];                    // = Σ P_d dP_d
+        const Acc pd = kept ? prob[j] * drop_scale : Acc(0);
+        for (int64_t d = 0; d < Dv; ++d) dv[j * Dv + d] += pd * dO(d);
+      }
+      std::fill(dq.begin(), dq.end(), Acc(0));
+      for (int64_t j = 0; j < Tk; ++j) {
+        if (!contributes[j]) continue;
+        const Acc ds = prob[j] * (dprob[j] - Drow) * static_cast<Acc>(p.scale);
+        for (int64_t d = 0; d < D; ++d) {
+          dq[d] += ds * K(j, d);
+          dk[j * D + d] += ds * Q(d);
+        }
+      }
+      float* gq = g.grad_q + b * g.grad_q_stride[0] + h * g.grad_q_stride[1] + i * g.grad_q_stride[2];
+      for (int64_t d = 0; d < D; ++d) gq[d * g.grad_q_stride[3]] = static_cast<float>(dq[d]);
+    }
+  }
+  for (int64_t j = 0; j < Tk; ++j) {
+    float* gk = g.grad_k + b * g.grad_k_stride[0] + hk * g.grad_k_stride[1] + j * g.grad_k_stride[2];
+    float* gv = g.grad_v + b * g.grad_v_stride[0] + hk * g.grad_v_stride[1] + j * g.grad_v_stride[2];
+    for (int64_t d = 0; d < D; ++d) gk[d * g.grad_k_stride[3]] = static_cast<float>(dk[j * D + d]);
+    for (int64_t d = 0; d < Dv; ++d) gv[d * g.grad_v_stride[3]] = static_cast<float>(dv[j * Dv + d]);
+  }
+}
+
+template void attention_bwd_ref_head<double>(const AttentionParams&, const AttentionGradParams&, int64_t, int64_t);
+template void attention_bwd_ref_head<float>(const AttentionParams&, const AttentionGradParams&, int64_t, int64_t);
+
+}  // namespace mha::kernels

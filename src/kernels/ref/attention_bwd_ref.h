@@ -1,0 +1,32 @@
+// The reference attention backward: the oracle for the fast backward.
+//
+// For each query row (recomputing P exactly as attention_ref does):
+//   dP_d = dO · Vᵀ,  dP = dP_d ⊙ Z/(1 - p)   (Z: the forward's dropout keep decisions)
+//   D    = rowsum(dO ⊙ O) = Σ_j P_d,j dP_d,j
+//   dS   = P ⊙ (dP - D)
+//   dQ   = scale · dS · K,  dK += scale · dSᵀ · Q,  dV += P_dᵀ · dO
+// accumulating in double. Masked keys and keys with a -inf score get dS = 0 (they never touch
+// K or V), as in the forward.
+#ifndef MHA_KERNELS_REF_ATTENTION_BWD_REF_H_
+#define MHA_KERNELS_REF_ATTENTION_BWD_REF_H_
+
+#include <cstdint>
+
+#include "kernels/attention_params.h"
+
+namespace mha::kernels {
+
+struct AttentionGradParams {
+  const float* grad_out = nullptr;  Strides4 grad_out_stride{};  // dO (B, Hq, Tq, Dv)
+  float* grad_q = nullptr;          Strides4 grad_q_stride{};    // (B, Hq, Tq, Dqk)
+  float* grad_k = nullptr;          Strides4 grad_k_stride{};    // (B, Hkv, Tk, Dqk)
+  float* grad_v = nullptr;          Strides4 grad_v_stride{};    // (B, Hkv, Tk, Dv)
+};
+
+// Writes dQ for the query heads of kv head hk and dK, dV of (b, hk). Single-threaded.
+template <typename Acc>
+void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams& g, int64_t b, int64_t hk);
+
+}  // namespace mha::kernels
+
+#endif  // MHA_KERNELS_REF_ATTENTION_BWD_REF_H_

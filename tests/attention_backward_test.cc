@@ -1,0 +1,270 @@
+// The attention backward: the reference against finite differences of a float64 forward, the
+// fast kernel against the reference (2x the error of plain float32, docs/numerics.md) on
+// every SIMD target, and the same bits for 1 and 2 threads.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "kernels/cpu/flash.h"
+#include "kernels/dropout.h"
+#include "kernels/ref/attention_bwd_ref.h"
+#include "mha/attention.h"
+#include "ops/attention_params.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+constexpr double kU = 1.0 / (1 << 24);
+
+struct Problem {
+  int64_t B = 1, Hq = 2, Hkv = 1, Tq = 5, Tk = 6, D = 4, Dv = 3;
+  Tensor q, k, v, keep, bias, lengths, dout;
+  AttentionInputs in;
+  AttentionOptions opt;
+
+  void make(Rng& rng) {
+    auto uniform = [&](std::vector<int64_t> shape) {
+      Tensor t(DType::kF32, std::move(shape));
+      for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(2 * rng.uniform() - 1);
+      return t;
+    };
+    q = uniform({B, Hq, Tq, D});
+    k = uniform({B, Hkv, Tk, D});
+    v = uniform({B, Hkv, Tk, Dv});
+    dout = uniform({B, Hq, Tq, Dv});
+    in.query = q.view<float>();
+    in.key = k.view<float>();
+    in.value = v.view<float>();
+  }
+  std::string describe() const {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld D=%ld Dv=%ld causal=%d window=%ld p=%g", (long)B,
+                  (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal, (long)opt.window,
+                  opt.dropout_p);
+    return buf + std::string(in.keep_mask.given() ? " keep" : "") + (in.bias.given() ? " bias" : "") +
+           (in.key_lengths.given() ? " lengths" : "");
+  }
+};
+
+struct Grads {
+  Tensor dq, dk, dv;
+  explicit Grads(const Problem& p)
+      : dq(DType::kF32, {p.B, p.Hq, p.Tq, p.D}), dk(DType::kF32, {p.B, p.Hkv, p.Tk, p.D}),
+        dv(DType::kF32, {p.B, p.Hkv, p.Tk, p.Dv}) {}
+  AttentionGrads views() { return {dq.view<float>(), dk.view<float>(), dv.view<float>()}; }
+};
+
+// Forward (to get out and lse) then backward on one backend.
+Grads run(Problem& p, Backend backend, int threads = 0) {
+  Tensor out(DType::kF32, {p.B, p.Hq, p.Tq, p.Dv}), lse(DType::kF32, {p.B, p.Hq, p.Tq});
+  AttentionOptions opt = p.opt;
+  opt.backend = backend;
+  opt.num_threads = threads;
+  attention(p.in, {out.view<float>(), lse.view<float>()}, opt);
+  Grads g(p);
+  attention_backward(p.in, out.view<float>(), lse.view<float>(), p.dout.view<float>(), g.views(), opt);
+  return g;
+}
+
+// The float32 reference backward: the "plain float32" implementation of the bound.
+Grads run_plain(Problem& p) {
+  Tensor out(DType::kF32, {p.B, p.Hq, p.Tq, p.Dv}), lse(DType::kF32, {p.B, p.Hq, p.Tq});
+  AttentionOptions opt = p.opt;
+  opt.backend = Backend::kReference;
+  attention(p.in, {out.view<float>(), lse.view<float>()}, opt);
+  const kernels::AttentionParams ap = ops::make_attention_params(p.in, {out.view<float>(), lse.view<float>()}, opt);
+  Grads g(p);
+  kernels::AttentionGradParams gp;
+  gp.grad_out = p.dout.data<float>();
+  gp.grad_out_stride = {p.Hq * p.Tq * p.Dv, p.Tq * p.Dv, p.Dv, 1};
+  gp.grad_q = g.dq.data<float>();
+  gp.grad_q_stride = {p.Hq * p.Tq * p.D, p.Tq * p.D, p.D, 1};
+  gp.grad_k = g.dk.data<float>();
+  gp.grad_k_stride = {p.Hkv * p.Tk * p.D, p.Tk * p.D, p.D, 1};
+  gp.grad_v = g.dv.data<float>();
+  gp.grad_v_stride = {p.Hkv * p.Tk * p.Dv, p.Tk * p.Dv, p.Dv, 1};
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t hk = 0; hk < p.Hkv; ++hk) kernels::attention_bwd_ref_head<float>(ap, gp, b, hk);
+  return g;
+}
+
+// Σ dout ⊙ out in float64 (the loss whose gradient the backward computes), with dropout.
+double loss(const Problem& p) {
+  const NaiveResult r = naive_attention(p.in, p.opt);  // per-head weights before dropout
+  const kernels::Dropout drop(p.opt.dropout_p, p.opt.dropout_seed);  // the library's keep decisions
+  double l = 0;
+  const int64_t B = p.B, H = p.Hq, T = p.Tq, S = p.Tk;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < T; ++i) {
+        for (int64_t c = 0; c < p.Dv; ++c) {
+          double o = 0;
+          for (int64_t j = 0; j < S; ++j) {
+            double w = r.weights[((b * H + h) * T + i) * S + j];
+            if (drop.active()) w = drop.keep(b, h, i, j) ? w * drop.scale() : 0.0;
+            o += w * p.in.value.at(b, h * p.Hkv / H, j, c);
+          }
+          l += o * p.dout.data<float>()[((b * H + h) * T + i) * p.Dv + c];
+        }
+      }
+  return l;
+}
+
+TEST(AttentionBackward, ReferenceMatchesFiniteDifferences) {
+  Rng rng(base_seed() + 30);
+  for (int trial = 0; trial < 12; ++trial) {
+    Problem p;
+    p.B = rng.range(1, 2);
+    p.Hkv = rng.range(1, 2);
+    p.Hq = p.Hkv * rng.range(1, 2);
+    p.Tq = rng.range(1, 5);
+    p.Tk = rng.range(1, 6);
+    p.D = rng.range(1, 4);
+    p.Dv = rng.range(1, 4);
+    p.make(rng);
+    if (trial % 3 == 1) {
+      p.keep = random_mask(rng, {p.Tq, p.Tk}, 0.7);
+      p.in.keep_mask = p.keep.view<uint8_t>();
+    }
+    if (trial % 3 == 2) {
+      p.bias = random_tensor(rng, {p.Hq, p.Tq, p.Tk});
+      p.in.bias = p.bias.view<float>();
+    }
+    p.opt.causal = static_cast<Causal>(trial % 3);
+    if (trial % 4 == 3) p.opt.dropout_p = 0.3f, p.opt.dropout_seed = 11;
+    SCOPED_TRACE(p.describe());
+    const Grads g = run(p, Backend::kReference);
+    const double h = 1.0 / 1024;  // exact on inputs in [-1, 1]
+    for (auto [t, grad, name] : {std::tuple<Tensor*, const Tensor*, const char*>{&p.q, &g.dq, "dq"},
+                                 {&p.k, &g.dk, "dk"}, {&p.v, &g.dv, "dv"}}) {
+      for (int64_t i = 0; i < t->numel(); ++i) {
+        float& x = t->data<float>()[i];
+        const float x0 = x;
+        x = x0 + static_cast<float>(h);
+        const double lp = loss(p);
+        x = x0 - static_cast<float>(h);
+        const double lm = loss(p);
+        x = x0;
+        const double fd = (lp - lm) / (2 * h);
+        ASSERT_NEAR(grad->data<float>()[i], fd, 1e-4 * std::max(1.0, std::fabs(fd))) << name << " index " << i;
+      }
+    }
+  }
+}
+
+class BackwardTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { kernels::force_simd_target(GetParam()); }
+  void TearDown() override { kernels::force_simd_target(""); }
+};
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  double m = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double e = std::fabs(static_cast<double>(a.data<float>()[i]) - b.data<float>()[i]);
+    m = std::isnan(e) ? INFINITY : std::max(m, e);
+  }
+  return m;
+}
+
+void check_fast(Problem& p) {
+  SCOPED_TRACE(p.describe());
+  const Grads fast = run(p, Backend::kFast), ref = run(p, Backend::kReference), plain = run_plain(p);
+  // Errors relative to the largest reference gradient of the three: dQ and dK can be exactly
+  // zero (one visible key: softmax is constant), where a relative error would be meaningless.
+  double scale = 1e-30;
+  for (const Tensor* r : {&ref.dq, &ref.dk, &ref.dv})
+    for (int64_t i = 0; i < r->numel(); ++i) scale = std::max(scale, std::fabs(static_cast<double>(r->data<float>()[i])));
+  for (auto [f, r, pl, name] : {std::tuple<const Tensor*, const Tensor*, const Tensor*, const char*>{
+                                    &fast.dq, &ref.dq, &plain.dq, "dq"},
+                                {&fast.dk, &ref.dk, &plain.dk, "dk"}, {&fast.dv, &ref.dv, &plain.dv, "dv"}}) {
+    const double ef = max_abs_diff(*f, *r) / scale, ep = max_abs_diff(*pl, *r) / scale;
+    EXPECT_LE(ef, 2 * ep + 4 * kU) << name << ": fast " << ef << " plain float32 " << ep;
+  }
+}
+
+TEST_P(BackwardTest, TileEdgesHeadDimsAndOptions) {
+  Rng rng(base_seed() + 31);
+  for (int64_t T : {1, 2, 47, 48, 49, 63, 64, 65, 97, 130}) {
+    Problem p;
+    p.Hq = 4;
+    p.Hkv = 2;
+    p.Tq = p.Tk = T;
+    p.D = p.Dv = 32;
+    p.opt.causal = T % 2 ? Causal::kTopLeft : Causal::kNone;
+    p.make(rng);
+    check_fast(p);
+  }
+  for (int64_t D : {1, 3, 16, 33, 64, 80, 128}) {
+    Problem p;
+    p.Tq = 70;
+    p.Tk = 90;
+    p.D = D;
+    p.Dv = D % 5 + 7;
+    p.opt.causal = Causal::kBottomRight;
+    p.make(rng);
+    check_fast(p);
+  }
+}
+
+TEST_P(BackwardTest, RandomProblems) {
+  const uint64_t seed = base_seed() + 32;
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with MHA_TEST_SEED)");
+  Rng rng(seed);
+  const int trials = GetParam() == "AVX3" || GetParam() == "AVX2" ? 60 : 15;
+  for (int trial = 0; trial < trials; ++trial) {
+    Problem p;
+    p.B = rng.range(1, 2);
+    p.Hkv = rng.range(1, 2);
+    p.Hq = p.Hkv * rng.range(1, 4);
+    p.Tq = rng.range(1, 120);
+    p.Tk = rng.coin(0.4) ? p.Tq : rng.range(1, 120);
+    p.D = rng.range(1, 48);
+    p.Dv = rng.coin(0.5) ? p.D : rng.range(1, 48);
+    p.make(rng);
+    if (rng.coin(0.3)) {
+      p.keep = random_mask(rng, {p.B, 1, p.Tq, p.Tk}, rng.coin(0.5) ? 0.9 : 0.4);
+      p.in.keep_mask = p.keep.view<uint8_t>();
+    }
+    if (rng.coin(0.3)) {
+      p.bias = random_tensor(rng, {p.Hq, p.Tq, p.Tk});
+      p.in.bias = p.bias.view<float>();
+    }
+    if (rng.coin(0.3)) {
+      p.lengths = Tensor(DType::kI32, {p.B});
+      for (int64_t b = 0; b < p.B; ++b) p.lengths.data<int32_t>()[b] = static_cast<int32_t>(rng.range(0, p.Tk));
+      p.in.key_lengths = p.lengths.view<int32_t>();
+    }
+    p.opt.causal = static_cast<Causal>(rng.range(0, 2));
+    if (p.opt.causal != Causal::kNone && rng.coin(0.3)) p.opt.window = rng.range(1, 40);
+    if (rng.coin(0.3)) p.opt.dropout_p = 0.2f, p.opt.dropout_seed = rng.next();
+    check_fast(p);
+  }
+}
+
+TEST_P(BackwardTest, SameBitsForOneAndTwoThreads) {
+  Rng rng(base_seed() + 33);
+  Problem p;
+  p.B = 2;
+  p.Hq = 6;
+  p.Hkv = 3;
+  p.Tq = 150;
+  p.Tk = 170;
+  p.D = p.Dv = 40;
+  p.opt.causal = Causal::kBottomRight;
+  p.opt.dropout_p = 0.1f;
+  p.opt.dropout_seed = 3;
+  p.make(rng);
+  const Grads a = run(p, Backend::kFast, 1), b = run(p, Backend::kFast, 2);
+  EXPECT_TRUE(bitwise_equal(a.dq, b.dq));
+  EXPECT_TRUE(bitwise_equal(a.dk, b.dk));
+  EXPECT_TRUE(bitwise_equal(a.dv, b.dv));
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, BackwardTest, ::testing::ValuesIn(kernels::simd_targets()),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+}  // namespace
+}  // namespace mha::test
