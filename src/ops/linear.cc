@@ -35,37 +35,69 @@ void check_shapes(const RowMatrix& x, const RowMatrix& w) {
 
 }  // namespace
 
-void linear(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads) {
-  check_shapes(x, w);
-  const int64_t M = x.rows, N = w.rows, K = x.cols;
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+          int64_t ldb, float beta, float* C, int64_t ldc, int num_threads) {
   if (M == 0 || N == 0) return;
   const int64_t tiles_m = (M + kTileRows - 1) / kTileRows;
   const int64_t tiles_n = (N + kTileCols - 1) / kTileCols;
   parallel_for(tiles_m * tiles_n, num_threads, [&](int64_t t) {
     const int64_t m0 = (t / tiles_n) * kTileRows, n0 = (t % tiles_n) * kTileCols;
     const int64_t m = std::min(kTileRows, M - m0), n = std::min(kTileCols, N - n0);
-    float* c = y + m0 * ldy + n0;
-    for (int64_t r = 0; r < m; ++r) {
-      float* row = c + r * ldy;
-      if (bias) {
-        std::copy(bias + n0, bias + n0 + n, row);
-      } else {
-        std::fill(row, row + n, 0.0f);
-      }
+    float* c = C + m0 * ldc + n0;
+    if (K == 0) {
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t x = 0; x < n; ++x) c[r * ldc + x] = beta == 0.0f ? 0.0f : beta * c[r * ldc + x];
+      return;
     }
-    if (K == 0) return;
+    // Row m0 of op(A) and column n0 of op(B).
+    const float* a = trans_a ? A + m0 : A + m0 * lda;
+    const float* b = trans_b ? B + n0 * ldb : B + n0;
     SingleThreadedBlas single;
-    const dnnl_status_t status =
-        dnnl_sgemm('N', 'T', m, n, K, 1.0f, x.data + m0 * x.row_stride, x.row_stride,
-                   w.data + n0 * w.row_stride, w.row_stride, 1.0f, c, ldy);
+    const dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, K, 1.0f, a, lda, b, ldb,
+                                            beta, c, ldc);
     if (status != dnnl_success) {
       throw Error(fmt::format(
-          "linear: dnnl_sgemm failed with status {} for ({} x {}) · ({} x {})ᵀ{}", static_cast<int>(status), m, K, n, K,
+          "linear: dnnl_sgemm failed with status {} for a ({} x {}) · ({} x {}) product{}", static_cast<int>(status), m,
+          K, K, n,
           status == dnnl_unimplemented ? "; another copy of oneDNN loaded earlier in this process (libtorch bundles "
                                          "one) may have interposed its symbols: link or load libdnnl before it"
                                        : ""));
     }
   });
+}
+
+void linear(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads) {
+  check_shapes(x, w);
+  const int64_t M = x.rows, N = w.rows;
+  for (int64_t r = 0; r < M; ++r) {
+    float* row = y + r * ldy;
+    if (bias) {
+      std::copy(bias, bias + N, row);
+    } else {
+      std::fill(row, row + N, 0.0f);
+    }
+  }
+  gemm(false, true, M, N, x.cols, x.data, x.row_stride, w.data, w.row_stride, 1.0f, y, ldy, num_threads);
+}
+
+void linear_backward(RowMatrix x, RowMatrix w, const float* dy, int64_t lddy, float* dx, int64_t lddx, float* grad_w,
+                     float* grad_b, int num_threads) {
+  check_shapes(x, w);
+  const int64_t N = x.rows, in = x.cols, out = w.rows;
+  // grad_w (out × in) += dyᵀ (out × N) · x (N × in)
+  gemm(true, false, out, in, N, dy, lddy, x.data, x.row_stride, 1.0f, grad_w, w.row_stride, num_threads);
+  if (grad_b) {
+    // Column sums in a fixed order (rows in sequence), in double.
+    parallel_for((out + 63) / 64, num_threads, [&](int64_t t) {
+      for (int64_t o = t * 64; o < std::min(out, t * 64 + 64); ++o) {
+        double s = 0;
+        for (int64_t r = 0; r < N; ++r) s += dy[r * lddy + o];
+        grad_b[o] += static_cast<float>(s);
+      }
+    });
+  }
+  // dx (N × in) = dy (N × out) · w (out × in)
+  if (dx) gemm(false, false, N, in, out, dy, lddy, w.data, w.row_stride, 0.0f, dx, lddx, num_threads);
 }
 
 void linear_ref(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads) {

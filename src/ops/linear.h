@@ -21,6 +21,17 @@ void linear(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, 
 // The same in plain loops accumulating in double: the reference path.
 void linear_ref(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads);
 
+// C (M × N, row stride ldc) = op(A) · op(B) + beta · C, row-major, op = transpose if trans_*.
+// Tiled over C as linear() is (shapes alone decide the tiles; K is never split), so the
+// result has the same bits for any thread count.
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+          int64_t ldb, float beta, float* C, int64_t ldc, int num_threads);
+
+// Backward of linear(): given dy (N, out), adds dyᵀ·x to grad_w (out, in) and column sums of
+// dy to grad_b (if not null), and writes dx = dy · w (N, in) if dx is not null.
+void linear_backward(RowMatrix x, RowMatrix w, const float* dy, int64_t lddy, float* dx, int64_t lddx, float* grad_w,
+                     float* grad_b, int num_threads);
+
 }  // namespace mha::ops
 
 #endif  // MHA_OPS_LINEAR_H_
