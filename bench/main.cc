@@ -15,7 +15,7 @@ Peer torch_peer();
 int main(int argc, char** argv) {
   CLI::App app{"mha_bench: attention and module throughput against this machine's peak and PyTorch"};
   mha::bench::Options o;
-  bool sweep = false, memory = false, decode = false;
+  bool sweep = false, memory = false, decode = false, train = false;
   app.add_option("--threads", o.threads, "Threads for mha and the peer");
   app.add_option("--seconds", o.seconds, "Measuring time per case and implementation");
   app.add_option("--csv", o.csv, "Write the table as CSV");
@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   app.add_flag("--sweep", sweep, "Also sweep the sequence length (for the plot)");
   app.add_flag("--memory", memory, "Only measure the peak memory of (1, 8, 32768, 64) attention");
   app.add_flag("--decode", decode, "Only the decoding table (KV caches of 1 to 256 MiB against memory bandwidth)");
+  app.add_flag("--train", train, "Only the training table (attention backward, forward + backward, module steps)");
   CLI11_PARSE(app, argc, argv);
   if (memory) {
     mha::bench::memory_check(o.threads, false);
@@ -40,7 +41,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   const double peak = mha::bench::measure_peak_gflops(o.threads);
-  const auto rows = mha::bench::run_suites(o, peer, sweep);
+  const auto rows = train ? mha::bench::run_training(o, peer) : mha::bench::run_suites(o, peer, sweep);
   // Measured again after the suite; the larger is the machine's peak.
   mha::bench::report(rows, std::max(peak, mha::bench::measure_peak_gflops(o.threads)), o, peer);
   return 0;

@@ -24,6 +24,15 @@ double AttentionCase::flops() const {
   return 2.0 * B * H * pairs * static_cast<double>(D + Dv);
 }
 
+double AttentionCase::backward_flops() const { return flops() / (2.0 * (D + Dv)) * (6.0 * D + 4.0 * Dv); }
+
+double ModuleCase::train_flops() const {
+  const double rows = static_cast<double>(B) * T;
+  const double projections = 2.0 * rows * E * 4 * E;
+  AttentionCase a{"", B, H, H, T, T, E / H, E / H, false};
+  return 3 * projections + a.flops() + a.backward_flops();
+}
+
 double ModuleCase::flops() const {
   const double rows = static_cast<double>(B) * T;
   return 2.0 * rows * E * 3 * E + 4.0 * B * static_cast<double>(T) * T * E + 2.0 * rows * E * E;
@@ -213,6 +222,122 @@ void run_decode(const Options& o, const Peer* peer) {
   }
 }
 
+std::vector<AttentionCase> training_attention_cases() {
+  std::vector<AttentionCase> v;
+  for (const AttentionCase& c : standard_attention_cases()) {
+    if (c.name == "issue" || c.name == "gqa") v.push_back(c);
+  }
+  return v;
+}
+
+double time_mha_attention_backward(const AttentionCase& c, int threads, double seconds) {
+  const Tensor q = filled({c.B, c.H, c.Tq, c.D}, 1.0f), k = filled({c.B, c.Hkv, c.Tk, c.D}, 1.0f);
+  const Tensor v = filled({c.B, c.Hkv, c.Tk, c.Dv}, 1.0f), dout = filled({c.B, c.H, c.Tq, c.Dv}, 1.0f);
+  Tensor out(DType::kF32, {c.B, c.H, c.Tq, c.Dv}), lse(DType::kF32, {c.B, c.H, c.Tq});
+  Tensor dq(DType::kF32, {c.B, c.H, c.Tq, c.D}), dk(DType::kF32, {c.B, c.Hkv, c.Tk, c.D});
+  Tensor dv(DType::kF32, {c.B, c.Hkv, c.Tk, c.Dv});
+  AttentionOptions opt;
+  opt.num_threads = threads;
+  opt.causal = c.causal ? Causal::kTopLeft : Causal::kNone;
+  const AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
+  attention(in, {out.view<float>(), lse.view<float>()}, opt);
+  return time_calls(
+      [&] {
+        attention_backward(in, out.view<float>(), lse.view<float>(), dout.view<float>(),
+                           {dq.view<float>(), dk.view<float>(), dv.view<float>()}, opt);
+      },
+      seconds);
+}
+
+double time_mha_attention_fwd_bwd(const AttentionCase& c, int threads, double seconds) {
+  const Tensor q = filled({c.B, c.H, c.Tq, c.D}, 1.0f), k = filled({c.B, c.Hkv, c.Tk, c.D}, 1.0f);
+  const Tensor v = filled({c.B, c.Hkv, c.Tk, c.Dv}, 1.0f), dout = filled({c.B, c.H, c.Tq, c.Dv}, 1.0f);
+  Tensor out(DType::kF32, {c.B, c.H, c.Tq, c.Dv}), lse(DType::kF32, {c.B, c.H, c.Tq});
+  Tensor dq(DType::kF32, {c.B, c.H, c.Tq, c.D}), dk(DType::kF32, {c.B, c.Hkv, c.Tk, c.D});
+  Tensor dv(DType::kF32, {c.B, c.Hkv, c.Tk, c.Dv});
+  AttentionOptions opt;
+  opt.num_threads = threads;
+  opt.causal = c.causal ? Causal::kTopLeft : Causal::kNone;
+  const AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
+  return time_calls(
+      [&] {
+        attention(in, {out.view<float>(), lse.view<float>()}, opt);
+        attention_backward(in, out.view<float>(), lse.view<float>(), dout.view<float>(),
+                           {dq.view<float>(), dk.view<float>(), dv.view<float>()}, opt);
+      },
+      seconds);
+}
+
+double time_mha_module_train(const ModuleCase& c, int threads, double seconds) {
+  MultiHeadAttentionConfig config;
+  config.embed_dim = c.E;
+  config.num_heads = c.H;
+  MultiHeadAttention m(config, 1);
+  m.set_num_threads(threads);
+  m.train();
+  const Tensor x = filled({c.B, c.T, c.E}, 1.0f), r = filled({c.B, c.T, c.E}, 1.0f);
+  MhaInputs in;
+  in.query = x.view<float>();
+  MhaGrads grads = m.make_grads();
+  return time_calls(
+      [&] {
+        MhaTape tape;
+        m.forward(in, &tape);
+        m.backward(tape, r.view<float>(), &grads);
+      },
+      seconds);
+}
+
+namespace {
+
+std::string attention_shape(const AttentionCase& c) {
+  return fmt::format("({}, {}{}, {}, {}{})", c.B, c.H, c.Hkv != c.H ? fmt::format("/{}", c.Hkv) : "", c.Tq, c.D,
+                     c.Dv != c.D ? fmt::format("/{}", c.Dv) : "");
+}
+
+}  // namespace
+
+std::vector<Row> run_training(const Options& o, const Peer* peer) {
+  const std::vector<AttentionCase> att = training_attention_cases();
+  std::vector<ModuleCase> mods;
+  for (const ModuleCase& c : standard_module_cases())
+    if (c.T >= 128) mods.push_back(c);
+  const size_t total = 2 * att.size() + mods.size();
+  std::vector<Row> rows;
+  size_t done = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (const AttentionCase& c : att) {
+      Row r;
+      r.suite = pass == 0 ? "backward" : "fwd+bwd";
+      r.name = c.name + (c.causal ? " causal" : "");
+      r.shape = attention_shape(c);
+      std::fprintf(stderr, "[%zu/%zu] %s %s %s ...\n", ++done, total, r.suite.c_str(), r.name.c_str(), r.shape.c_str());
+      if (pass == 0) {
+        r.flops = c.backward_flops();
+        r.mha_s = time_mha_attention_backward(c, o.threads, o.seconds);
+        if (peer && peer->attention_backward) r.peer_s = peer->attention_backward(c, o.threads, o.seconds);
+      } else {
+        r.flops = c.flops() + c.backward_flops();
+        r.mha_s = time_mha_attention_fwd_bwd(c, o.threads, o.seconds);
+        if (peer && peer->attention_fwd_bwd) r.peer_s = peer->attention_fwd_bwd(c, o.threads, o.seconds);
+      }
+      rows.push_back(r);
+    }
+  }
+  for (const ModuleCase& c : mods) {
+    Row r;
+    r.suite = "module train";
+    r.name = c.name;
+    r.shape = fmt::format("B={} T={} E={} H={}", c.B, c.T, c.E, c.H);
+    std::fprintf(stderr, "[%zu/%zu] module train %s %s ...\n", ++done, total, r.name.c_str(), r.shape.c_str());
+    r.flops = c.train_flops();
+    r.mha_s = time_mha_module_train(c, o.threads, o.seconds);
+    if (peer && peer->module_train) r.peer_s = peer->module_train(c, o.threads, o.seconds);
+    rows.push_back(r);
+  }
+  return rows;
+}
+
 std::vector<Row> run_suites(const Options& o, const Peer* peer, bool sweep) {
   std::vector<AttentionCase> att = standard_attention_cases();
   if (sweep) {
@@ -226,8 +351,7 @@ std::vector<Row> run_suites(const Options& o, const Peer* peer, bool sweep) {
     Row r;
     r.suite = c.name == "sweep" ? (c.causal ? "sweep-causal" : "sweep") : "attention";
     r.name = c.name + (c.causal ? " causal" : "");
-    r.shape = fmt::format("({}, {}{}, {}, {}{})", c.B, c.H, c.Hkv != c.H ? fmt::format("/{}", c.Hkv) : "", c.Tq, c.D,
-                          c.Dv != c.D ? fmt::format("/{}", c.Dv) : "");
+    r.shape = attention_shape(c);
     std::fprintf(stderr, "[%zu/%zu] attention %s %s ...\n", ++done, total, r.name.c_str(), r.shape.c_str());
     r.flops = c.flops();
     r.mha_s = time_mha_attention(c, o.threads, o.seconds);

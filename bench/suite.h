@@ -16,12 +16,15 @@ struct AttentionCase {
   int64_t B, H, Hkv, Tq, Tk, D, Dv;
   bool causal;
   double flops() const;  // 4·B·H·(visible pairs)·(D+Dv)/2: only the unmasked part when causal
+  // Backward: per visible pair S = QKᵀ recomputed (2D), dP = dO·Vᵀ (2Dv), dV (2Dv), dQ (2D), dK (2D).
+  double backward_flops() const;
 };
 
 struct ModuleCase {
   std::string name;
   int64_t B, T, E, H;
   double flops() const;  // QKV and output projections + attention
+  double train_flops() const;  // forward + backward: projections 3x, attention forward + backward
 };
 
 // One decoding step: Hq query heads of one new token against a cache of L positions.
@@ -37,6 +40,11 @@ struct Peer {
   std::function<double(const AttentionCase&, int threads, double seconds)> attention;
   std::function<double(const ModuleCase&, int threads, double seconds)> module;
   std::function<double(const DecodeCase&, int threads, double seconds)> decode;
+  // Training: the attention backward alone (given the forward's results), forward + backward,
+  // and one module step (forward + backward of sum(output · R)).
+  std::function<double(const AttentionCase&, int threads, double seconds)> attention_backward;
+  std::function<double(const AttentionCase&, int threads, double seconds)> attention_fwd_bwd;
+  std::function<double(const ModuleCase&, int threads, double seconds)> module_train;
 };
 
 struct Row {
@@ -72,6 +80,13 @@ std::vector<DecodeCase> decode_cases();  // GQA and MHA caches of 1 MiB .. 256 M
 double time_mha_attention(const AttentionCase& c, int threads, double seconds);
 double time_mha_module(const ModuleCase& c, int threads, double seconds);
 double time_mha_decode(const DecodeCase& c, int threads, double seconds);
+double time_mha_attention_backward(const AttentionCase& c, int threads, double seconds);
+double time_mha_attention_fwd_bwd(const AttentionCase& c, int threads, double seconds);
+double time_mha_module_train(const ModuleCase& c, int threads, double seconds);
+
+// The training table: attention backward, forward + backward and module training steps.
+std::vector<Row> run_training(const Options& options, const Peer* peer);
+std::vector<AttentionCase> training_attention_cases();
 
 // The decoding table: step time, GB/s of K/V read, % of the measured read bandwidth, peer.
 void run_decode(const Options& options, const Peer* peer);

@@ -1,4 +1,4 @@
-// The README shows examples/usage.cc verbatim (the example itself is built and run by CTest).
+// The README shows the examples verbatim (the examples themselves are built and run by CTest).
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -14,11 +14,13 @@ std::string read(const std::string& path) {
   return s.str();
 }
 
-TEST(Readme, ShowsTheExampleThatTheTestsBuild) {
+TEST(Readme, ShowsTheExamplesThatTheTestsBuild) {
   const std::string readme = read(std::string(MHA_SOURCE_DIR) + "/README.md");
-  const std::string example = read(std::string(MHA_SOURCE_DIR) + "/examples/usage.cc");
-  ASSERT_FALSE(example.empty());
-  EXPECT_NE(readme.find(example), std::string::npos) << "README.md must contain examples/usage.cc verbatim";
+  for (const char* name : {"usage.cc", "decode_usage.cc", "train_usage.cc"}) {
+    const std::string example = read(std::string(MHA_SOURCE_DIR) + "/examples/" + name);
+    ASSERT_FALSE(example.empty()) << name;
+    EXPECT_NE(readme.find(example), std::string::npos) << "README.md must contain examples/" << name << " verbatim";
+  }
 }
 
 }  // namespace

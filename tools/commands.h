@@ -25,10 +25,20 @@ struct BenchArgs {
   bool sweep = false;
   bool memory = false;
   bool decode = false;
+  bool train = false;
   std::string csv, json;
 };
 
+struct TrainArgs {
+  int threads = 0;
+  int length = 8;
+  int steps = 3000;
+  float lr = 3e-3f;
+  unsigned seed = 1;
+};
+
 int run_demo(int threads);
+int run_train(const TrainArgs& args);
 int run_forward(const ForwardArgs& args);
 int run_info();
 int run_bench(const BenchArgs& args);

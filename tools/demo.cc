@@ -87,7 +87,7 @@ void run_generation(int threads) {
   for (int32_t t : out) shown += t >= 32 && t < 127 ? static_cast<char>(t) : '.';
   fmt::print("generation: TinyGpt, {} layers, dim {}, {} query / {} kv heads (GQA), {:.2f} M parameters, random "
              "weights\n",
-             c.layers, c.dim, c.heads, c.kv_heads, static_cast<double>(model.parameters()) / 1e6);
+             c.layers, c.dim, c.heads, c.kv_heads, static_cast<double>(model.parameter_count()) / 1e6);
   fmt::print("  prompt \"{}\" ({} tokens): prefill {:.2f} ms, {:.0f} tokens/s\n", text, prompt.size(), prefill * 1e3,
              static_cast<double>(prompt.size()) / prefill);
   fmt::print("  {} new tokens with KV caches: {:.2f} ms, {:.0f} tokens/s\n", n, decode * 1e3,

@@ -1,4 +1,4 @@
-// mha: the command-line tool. `mha demo`, `mha forward`, `mha --help`.
+// mha: the command-line tool. `mha demo`, `mha forward`, `mha train`, `mha bench`, `mha --help`.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -33,6 +33,14 @@ int main(int argc, char** argv) {
   fwd->add_flag("--reference", fa.reference, "Use the plain double-accumulating reference path");
   fwd->add_option("--threads", fa.threads, "Threads (0: all)");
 
+  mha::tools::TrainArgs ta;
+  CLI::App* train = app.add_subcommand("train", "Train a small GPT built from mha layers to reverse digit sequences");
+  train->add_option("--length", ta.length, "Digits per sequence")->check(CLI::Range(1, 64));
+  train->add_option("--steps", ta.steps, "Most training steps (stops at 99% token accuracy)")->check(CLI::PositiveNumber);
+  train->add_option("--lr", ta.lr, "Adam learning rate");
+  train->add_option("--seed", ta.seed, "Seed of the weights and the data");
+  train->add_option("--threads", ta.threads, "Threads (0: all)");
+
   CLI::App* info = app.add_subcommand("info", "Print this CPU's SIMD features and the kernels that run on it");
 
   mha::tools::BenchArgs ba;
@@ -42,6 +50,7 @@ int main(int argc, char** argv) {
   bench->add_flag("--sweep", ba.sweep, "Also sweep the sequence length");
   bench->add_flag("--memory", ba.memory, "Only measure the peak memory of (1, 8, 32768, 64) attention");
   bench->add_flag("--decode", ba.decode, "Only the decoding table (KV caches against memory bandwidth)");
+  bench->add_flag("--train", ba.train, "Only the training table (attention backward, forward + backward, module steps)");
   bench->add_option("--csv", ba.csv, "Write the table as CSV");
   bench->add_option("--json", ba.json, "Write the table as JSON");
 
@@ -49,6 +58,7 @@ int main(int argc, char** argv) {
   try {
     if (demo->parsed()) return mha::tools::run_demo(demo_threads);
     if (fwd->parsed()) return mha::tools::run_forward(fa);
+    if (train->parsed()) return mha::tools::run_train(ta);
     if (info->parsed()) return mha::tools::run_info();
     if (bench->parsed()) return mha::tools::run_bench(ba);
   } catch (const mha::Error& e) {

@@ -1,6 +1,8 @@
 // TinyGpt: a small GPT-style decoder built from mha layers — token and position embeddings,
 // pre-LayerNorm blocks of causal MultiHeadAttention and a GELU MLP, a final LayerNorm and an
-// output head tied to the token embedding. Used by `mha demo` (generation with KV caches).
+// output head tied to the token embedding. Used by `mha demo` (generation with KV caches) and
+// `mha train` (learning to reverse sequences: MultiHeadAttention::backward with hand-written
+// backward passes of the small layers around it, and mha::Adam).
 #ifndef MHA_EXAMPLES_TINY_GPT_H_
 #define MHA_EXAMPLES_TINY_GPT_H_
 
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "mha/multi_head_attention.h"
+#include "mha/optim.h"
 
 namespace mha::examples {
 
@@ -35,13 +38,32 @@ class TinyGpt {
   std::vector<int32_t> generate(const std::vector<int32_t>& prompt, int64_t n, double* prefill_seconds = nullptr,
                                 double* decode_seconds = nullptr) const;
 
+  // Training with teacher forcing: the mean cross-entropy of the next-token logits over the
+  // positions whose target is >= 0 (others are ignored), with gradients *added* to the buffers
+  // behind parameters(). tokens and targets hold B·T values, row-major.
+  struct StepResult {
+    double loss = 0;
+    int64_t counted = 0;  // positions with a target
+    int64_t correct = 0;  // of which the argmax of the logits is the target
+  };
+  StepResult forward_backward(const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets, int64_t B,
+                              int64_t T);
+  // Every trainable tensor with its gradient buffer (for an optimizer).
+  std::vector<Parameter> parameters();
+  void zero_grad();
+
   const TinyGptConfig& config() const { return config_; }
-  int64_t parameters() const;
+  int64_t parameter_count() const;
 
  private:
   struct Block {
     Tensor ln1_g, ln1_b, ln2_g, ln2_b;
     MultiHeadAttention attn;
+    Tensor fc1_w, fc1_b, fc2_w, fc2_b;
+  };
+  struct BlockGrads {
+    Tensor ln1_g, ln1_b, ln2_g, ln2_b;
+    MhaGrads attn;
     Tensor fc1_w, fc1_b, fc2_w, fc2_b;
   };
   // h (rows, dim) in place: h += attention(ln1(h)); h += mlp(ln2(h)). With a cache the rows are
@@ -53,6 +75,9 @@ class TinyGpt {
   TinyGptConfig config_;
   Tensor tok_emb_, pos_emb_, lnf_g_, lnf_b_;
   std::vector<Block> blocks_;
+  // Gradient buffers, same shapes as the parameters.
+  Tensor g_tok_emb_, g_pos_emb_, g_lnf_g_, g_lnf_b_;
+  std::vector<BlockGrads> g_blocks_;
 };
 
 }  // namespace mha::examples

@@ -11,6 +11,13 @@ namespace mha {
 void linear(const View<const float>& x, const View<const float>& weight, const View<const float>& bias,
             const View<float>& y, int num_threads = 0);
 
+// Backward of linear() for dy = dL/dy (N, out): *adds* dyᵀ·x to grad_weight (out, in) and the
+// column sums of dy to grad_bias (if given), and writes dL/dx = dy · weight into grad_x (if
+// given). Same bits for any thread count.
+void linear_backward(const View<const float>& x, const View<const float>& weight, const View<const float>& dy,
+                     const View<float>& grad_x, const View<float>& grad_weight, const View<float>& grad_bias,
+                     int num_threads = 0);
+
 }  // namespace mha
 
 #endif  // MHA_LINEAR_H_

@@ -27,12 +27,14 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "mha/attention.h"
 #include "mha/kv_cache.h"
+#include "mha/optim.h"
 #include "mha/safetensors.h"
 #include "mha/tensor.h"
 
@@ -77,6 +79,37 @@ struct MhaOutput {
   Tensor weights;  // if need_weights
 };
 
+// Gradient buffers of a module's parameters, in the module's own storage layout; backward()
+// adds to them, zero() clears them. Make them with MultiHeadAttention::make_grads().
+struct MhaGrads {
+  Tensor in_weight, in_bias, out_weight, out_bias;
+  void zero();
+};
+
+// Gradients with respect to the inputs, each the shape of its input. For self-attention (key
+// and value not given, or the very view of query) the whole gradient is in `query` and key and
+// value are undefined; when key and value are given, add them yourself if they are one tensor.
+struct MhaInputGrads {
+  Tensor query, key, value;
+};
+
+// What a training forward saves for backward(): copies of the inputs and masks, the
+// projections, the attention output and its log-sum-exp, and the dropout seeds — O(T·width)
+// per sequence, never O(T²). Opaque; movable.
+class MhaTape {
+ public:
+  MhaTape();
+  ~MhaTape();
+  MhaTape(MhaTape&&) noexcept;
+  MhaTape& operator=(MhaTape&&) noexcept;
+  bool recorded() const { return state_ != nullptr; }
+
+ private:
+  friend class MultiHeadAttention;
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
 // What load_state_dict found.
 struct LoadReport {
   std::string layout;                 // e.g. "nn.MultiheadAttention (in_proj_weight)"
@@ -104,6 +137,19 @@ class MultiHeadAttention {
   StateDict state_dict() const;
 
   MhaOutput forward(const MhaInputs& inputs) const;
+
+  // Training. forward(inputs, &tape) also records what backward() needs (dropout draws
+  // included: backward regenerates them from the seeds in the tape). backward() takes dL/d
+  // output (the output's shape), *adds* the parameters' gradients into `grads`, and returns the
+  // inputs' gradients. It reads the module's current weights: call it before changing them
+  // (before the optimizer step). Both are const; one MhaGrads per thread.
+  MhaOutput forward(const MhaInputs& inputs, MhaTape* tape) const;
+  MhaInputGrads backward(const MhaTape& tape, const View<const float>& grad_output, MhaGrads* grads) const;
+  MhaGrads make_grads() const;
+  // Trainable tensors with their gradient buffers in `grads` (grad views empty if null), named
+  // as state_dict() with separate projections: q_proj.weight, q_proj.bias, ..., out_proj.bias.
+  // Biases the module lacks are not listed.
+  std::vector<Parameter> parameters(MhaGrads* grads);
 
   // Incremental decoding (self-attention). x holds the newest positions of each sequence,
   // (B, n, E) (or (n, B, E) when not batch_first), of which the first new_tokens[b] rows of

@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "mha/error.h"
@@ -121,8 +122,22 @@ class Tensor {
   Tensor(DType dtype, std::vector<int64_t> shape);
   static Tensor zeros(std::vector<int64_t> shape) { return Tensor(DType::kF32, std::move(shape)); }
 
-  Tensor(Tensor&&) noexcept = default;
-  Tensor& operator=(Tensor&&) noexcept = default;
+  // A moved-from tensor is undefined (defined() is false).
+  Tensor(Tensor&& other) noexcept
+      : defined_(std::exchange(other.defined_, false)),
+        dtype_(other.dtype_),
+        shape_(std::move(other.shape_)),
+        storage_(std::move(other.storage_)) {
+    other.shape_.clear();
+  }
+  Tensor& operator=(Tensor&& other) noexcept {
+    defined_ = std::exchange(other.defined_, false);
+    dtype_ = other.dtype_;
+    shape_ = std::move(other.shape_);
+    other.shape_.clear();
+    storage_ = std::move(other.storage_);
+    return *this;
+  }
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
   Tensor clone() const;

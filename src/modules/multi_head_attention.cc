@@ -318,9 +318,53 @@ Rows contiguous_rows(const View<const float>& v) {
 
 uint64_t derive_seed(uint64_t seed, uint64_t stream) { return splitmix64(seed ^ splitmix64(stream)); }
 
+// A contiguous copy of any view, keeping its shape (size-1 dimensions still broadcast).
+template <typename T>
+Tensor copy_of(const View<const T>& v) {
+  if (!v.given()) return Tensor();
+  Tensor t(DTypeOf<std::remove_const_t<T>>::value, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.rank));
+  auto* out = t.data<std::remove_const_t<T>>();
+  const int64_t d0 = v.shape[0], d1 = v.rank > 1 ? v.shape[1] : 1, d2 = v.rank > 2 ? v.shape[2] : 1,
+                d3 = v.rank > 3 ? v.shape[3] : 1;
+  int64_t n = 0;
+  for (int64_t a = 0; a < d0; ++a)
+    for (int64_t b = 0; b < d1; ++b)
+      for (int64_t c = 0; c < d2; ++c)
+        for (int64_t d = 0; d < d3; ++d) out[n++] = v.at(a, b, c, d);
+  return t;
+}
+
+template <typename T>
+View<const T> view_or_empty(const Tensor& t) {
+  return t.defined() ? t.view<T>() : View<const T>();
+}
+
 }  // namespace
 
-MhaOutput MultiHeadAttention::forward(const MhaInputs& in) const {
+// Everything backward() reads, owned (the caller's buffers may change after forward returns).
+struct MhaTape::State {
+  const MultiHeadAttention* module = nullptr;
+  int64_t B = 0, Tq = 0, Tk = 0;
+  bool self = false;
+  std::vector<int64_t> query_shape, key_shape, value_shape, output_shape;
+  Tensor xq, xk, xv;        // input rows (xk, xv only when not self-attention)
+  Tensor qkv, kbuf, vbuf;   // projections: packed [q | k | v] rows, or q, k, v apart
+  Tensor merged;            // attention output, heads merged, before out_proj and dropout
+  Tensor lse;               // (B, Hq, Tq)
+  Tensor keep, bias, lengths;
+  AttentionOptions options;  // causal, window, dropout of the attention
+  uint64_t out_dropout_seed = 0;
+  float out_dropout = 0.0f;
+};
+
+MhaTape::MhaTape() = default;
+MhaTape::~MhaTape() = default;
+MhaTape::MhaTape(MhaTape&&) noexcept = default;
+MhaTape& MhaTape::operator=(MhaTape&&) noexcept = default;
+
+MhaOutput MultiHeadAttention::forward(const MhaInputs& in) const { return forward(in, nullptr); }
+
+MhaOutput MultiHeadAttention::forward(const MhaInputs& in, MhaTape* tape) const {
   const auto& c = config_;
   const Dims d = dims();
   const auto& q = in.query;
@@ -473,20 +517,211 @@ MhaOutput MultiHeadAttention::forward(const MhaInputs& in) const {
     result.weights = in.average_weights ? Tensor(DType::kF32, {B, Tq, Tk}) : Tensor(DType::kF32, {B, Hq, Tq, Tk});
     ao.weights = result.weights.view<float>();
   }
+  std::unique_ptr<MhaTape::State> saved;
+  if (tape) {
+    saved = std::make_unique<MhaTape::State>();
+    saved->lse = Tensor(DType::kF32, {B, Hq, Tq});
+    ao.lse = saved->lse.view<float>();
+  }
   attention(ai, ao, opt);
 
+  const bool drop_out = training_ && c.out_dropout > 0;
+  const uint64_t out_seed = derive_seed(call_seed, 2);
   if (c.out_proj) {
     result.output = Tensor(DType::kF32, out_shape);
     project(merged.data<float>(), Nq, c.v_dim, kOut, result.output.data<float>(), width);
   } else {
-    result.output = std::move(merged);
+    result.output = tape && drop_out ? merged.clone() : std::move(merged);
   }
-  if (training_ && c.out_dropout > 0) {
-    const kernels::Dropout drop(c.out_dropout, derive_seed(call_seed, 2));
+  if (drop_out) {
+    const kernels::Dropout drop(c.out_dropout, out_seed);
     float* y = result.output.data<float>();
     for (int64_t n = 0; n < Nq; ++n)
       for (int64_t o = 0; o < width; ++o)
         y[n * width + o] = drop.keep(0, 0, n, o) ? y[n * width + o] * drop.scale() : 0.0f;
+  }
+  if (tape) {
+    MhaTape::State& t = *saved;
+    t.module = this;
+    t.B = B, t.Tq = Tq, t.Tk = Tk;
+    t.self = self;
+    t.query_shape.assign(q.shape.begin(), q.shape.begin() + 3);
+    t.output_shape = out_shape;
+    t.xq = to_tensor(q);
+    if (!self) {
+      t.key_shape.assign(key.shape.begin(), key.shape.begin() + 3);
+      t.value_shape.assign(value.shape.begin(), value.shape.begin() + 3);
+      t.xk = to_tensor(key);
+      t.xv = to_tensor(value);
+    }
+    t.qkv = std::move(qkv), t.kbuf = std::move(kbuf), t.vbuf = std::move(vbuf);
+    t.merged = merged.defined() ? std::move(merged) : result.output.clone();
+    t.keep = keep.defined() ? std::move(keep) : copy_of(in.keep_mask);
+    t.bias = copy_of(in.attn_bias);
+    t.lengths = copy_of(in.key_lengths);
+    t.options = opt;
+    t.out_dropout = drop_out ? c.out_dropout : 0.0f;
+    t.out_dropout_seed = out_seed;
+    tape->state_ = std::move(saved);
+  }
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training.
+
+void MhaGrads::zero() {
+  for (Tensor* t : {&in_weight, &in_bias, &out_weight, &out_bias}) {
+    if (t->defined()) std::fill(t->data<float>(), t->data<float>() + t->numel(), 0.0f);
+  }
+}
+
+MhaGrads MultiHeadAttention::make_grads() const {
+  MhaGrads g;
+  g.in_weight = Tensor(DType::kF32, in_weight_.shape());
+  g.in_bias = Tensor(DType::kF32, in_bias_.shape());
+  if (config_.out_proj) {
+    g.out_weight = Tensor(DType::kF32, out_weight_.shape());
+    g.out_bias = Tensor(DType::kF32, out_bias_.shape());
+  }
+  return g;
+}
+
+namespace {
+
+void check_grads(const MhaGrads& g, const Tensor& in_weight, const Tensor& out_weight) {
+  MHA_CHECK(g.in_weight.defined() && g.in_weight.shape() == in_weight.shape() &&
+                g.out_weight.defined() == out_weight.defined() &&
+                (!out_weight.defined() || g.out_weight.shape() == out_weight.shape()),
+            "MultiHeadAttention::backward: grads were not made for this module (in_weight {} vs {}); use make_grads()",
+            shape_string(g.in_weight.shape().data(), g.in_weight.rank()),
+            shape_string(in_weight.shape().data(), in_weight.rank()));
+}
+
+}  // namespace
+
+std::vector<Parameter> MultiHeadAttention::parameters(MhaGrads* grads) {
+  if (grads) check_grads(*grads, in_weight_, out_weight_);
+  std::vector<Parameter> params;
+  const Dims d = dims();
+  const char* names[4] = {"q_proj", "k_proj", "v_proj", "out_proj"};
+  int64_t w_offset = 0, b_offset = 0;
+  for (int p = 0; p < 4; ++p) {
+    if (p == kOut && !config_.out_proj) continue;
+    const View<float> w = weight(static_cast<Proj>(p));
+    View<float> gw, gb;
+    if (grads) {
+      gw = p == kOut ? grads->out_weight.view<float>()
+                     : View<float>(grads->in_weight.data<float>() + w_offset, {d.rows[p], d.cols[p]});
+      gb = p == kOut ? grads->out_bias.view<float>() : View<float>(grads->in_bias.data<float>() + b_offset, {d.rows[p]});
+    }
+    params.push_back({std::string(names[p]) + ".weight", w, gw});
+    if (has_bias_[p]) params.push_back({std::string(names[p]) + ".bias", bias(static_cast<Proj>(p)), gb});
+    if (p < 3) w_offset += d.rows[p] * d.cols[p], b_offset += d.rows[p];
+  }
+  return params;
+}
+
+MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const float>& grad_output,
+                                           MhaGrads* grads) const {
+  MHA_CHECK(tape.recorded(), "MultiHeadAttention::backward: the tape is empty; record it with forward(inputs, &tape)");
+  const MhaTape::State& t = *tape.state_;
+  MHA_CHECK(t.module == this, "MultiHeadAttention::backward: the tape was recorded by another module");
+  MHA_CHECK(grads != nullptr, "MultiHeadAttention::backward: grads must not be null; use make_grads()");
+  check_grads(*grads, in_weight_, out_weight_);
+  MHA_CHECK(grad_output.rank == 3 && std::equal(t.output_shape.begin(), t.output_shape.end(), grad_output.shape.begin()),
+            "MultiHeadAttention::backward: grad_output must have the output's shape {}; got {}",
+            shape_string(t.output_shape.data(), 3), shape_string(grad_output));
+  MHA_CHECK(grad_output.numel() == 0 || grad_output.data, "MultiHeadAttention::backward: grad_output has a null data pointer");
+
+  const auto& c = config_;
+  const Dims d = dims();
+  const int64_t B = t.B, Tq = t.Tq, Tk = t.Tk, Nq = B * Tq, Nk = B * Tk;
+  const int64_t Hq = c.num_heads, Hkv = c.num_kv_heads, dqk = head_dim_qk(), dv = head_dim_v();
+  const int64_t width = output_dim();
+  const Layout lq{B, Tq, c.batch_first}, lk{B, Tk, c.batch_first};
+
+  // dL/d(output before dropout): the same draws as the forward's.
+  Tensor dy = to_tensor(grad_output);
+  if (t.out_dropout > 0) {
+    const kernels::Dropout drop(t.out_dropout, t.out_dropout_seed);
+    float* g = dy.data<float>();
+    for (int64_t n = 0; n < Nq; ++n)
+      for (int64_t o = 0; o < width; ++o) g[n * width + o] = drop.keep(0, 0, n, o) ? g[n * width + o] * drop.scale() : 0.0f;
+  }
+
+  // Output projection.
+  Tensor dmerged;
+  if (c.out_proj) {
+    dmerged = Tensor(DType::kF32, {Nq, c.v_dim});
+    ops::linear_backward({t.merged.data<float>(), Nq, c.v_dim, c.v_dim},
+                         {out_weight_.data<float>(), d.rows[3], d.cols[3], d.cols[3]}, dy.data<float>(), width,
+                         dmerged.data<float>(), c.v_dim, grads->out_weight.data<float>(), d.cols[3],
+                         has_bias_[kOut] ? grads->out_bias.data<float>() : nullptr, num_threads_);
+  } else {
+    dmerged = std::move(dy);
+  }
+
+  // Attention, with the forward's inputs rebuilt from the tape.
+  const bool packed_self = t.self;  // self-attention always runs on the packed projection
+  const int64_t W = d.rows[0] + d.rows[1] + d.rows[2];
+  AttentionInputs ai;
+  AttentionGrads ag;
+  Tensor dqkv, dk, dv_buf;
+  if (packed_self) {
+    float* base = const_cast<float*>(t.qkv.data<float>());
+    ai.query = heads_view(base, lq, W, Hq, dqk);
+    ai.key = heads_view(base + d.rows[0], lk, W, Hkv, dqk);
+    ai.value = heads_view(base + d.rows[0] + d.rows[1], lk, W, Hkv, dv);
+    dqkv = Tensor(DType::kF32, {Nq, W});
+    float* g = dqkv.data<float>();
+    ag = {heads_view(g, lq, W, Hq, dqk), heads_view(g + d.rows[0], lk, W, Hkv, dqk),
+          heads_view(g + d.rows[0] + d.rows[1], lk, W, Hkv, dv)};
+  } else {
+    ai.query = heads_view(const_cast<float*>(t.qkv.data<float>()), lq, d.rows[0], Hq, dqk);
+    ai.key = heads_view(const_cast<float*>(t.kbuf.data<float>()), lk, d.rows[1], Hkv, dqk);
+    ai.value = heads_view(const_cast<float*>(t.vbuf.data<float>()), lk, d.rows[2], Hkv, dv);
+    dqkv = Tensor(DType::kF32, {Nq, d.rows[0]});
+    dk = Tensor(DType::kF32, {Nk, d.rows[1]});
+    dv_buf = Tensor(DType::kF32, {Nk, d.rows[2]});
+    ag = {heads_view(dqkv.data<float>(), lq, d.rows[0], Hq, dqk), heads_view(dk.data<float>(), lk, d.rows[1], Hkv, dqk),
+          heads_view(dv_buf.data<float>(), lk, d.rows[2], Hkv, dv)};
+  }
+  ai.keep_mask = view_or_empty<uint8_t>(t.keep);
+  ai.bias = view_or_empty<float>(t.bias);
+  ai.key_lengths = view_or_empty<int32_t>(t.lengths);
+  const View<const float> out_heads = heads_view(const_cast<float*>(t.merged.data<float>()), lq, c.v_dim, Hq, dv);
+  const View<const float> dout_heads = heads_view(dmerged.data<float>(), lq, c.v_dim, Hq, dv);
+  attention_backward(ai, out_heads, t.lse.view<float>(), dout_heads, ag, t.options);
+
+  // Input projections.
+  MhaInputGrads result;
+  result.query = Tensor(DType::kF32, t.query_shape);
+  if (packed_self) {
+    ops::linear_backward({t.xq.data<float>(), Nq, c.embed_dim, c.embed_dim}, {in_weight_.data<float>(), W, c.embed_dim, c.embed_dim},
+                         dqkv.data<float>(), W, result.query.data<float>(), c.embed_dim, grads->in_weight.data<float>(), c.embed_dim,
+                         grads->in_bias.data<float>(), num_threads_);
+    // Projections without a bias have no bias gradient.
+    int64_t offset = 0;
+    for (int p = 0; p < 3; ++p) {
+      if (!has_bias_[p]) std::fill(grads->in_bias.data<float>() + offset, grads->in_bias.data<float>() + offset + d.rows[p], 0.0f);
+      offset += d.rows[p];
+    }
+    return result;
+  }
+  result.key = Tensor(DType::kF32, t.key_shape);
+  result.value = Tensor(DType::kF32, t.value_shape);
+  const float* x[3] = {t.xq.data<float>(), t.xk.data<float>(), t.xv.data<float>()};
+  const float* dproj[3] = {dqkv.data<float>(), dk.data<float>(), dv_buf.data<float>()};
+  float* dx[3] = {result.query.data<float>(), result.key.data<float>(), result.value.data<float>()};
+  const int64_t rows[3] = {Nq, Nk, Nk};
+  int64_t w_offset = 0, b_offset = 0;
+  for (int p = 0; p < 3; ++p) {
+    ops::linear_backward({x[p], rows[p], d.cols[p], d.cols[p]}, {in_weight_.data<float>() + w_offset, d.rows[p], d.cols[p], d.cols[p]},
+                         dproj[p], d.rows[p], dx[p], d.cols[p], grads->in_weight.data<float>() + w_offset, d.cols[p],
+                         has_bias_[p] ? grads->in_bias.data<float>() + b_offset : nullptr, num_threads_);
+    w_offset += d.rows[p] * d.cols[p];
+    b_offset += d.rows[p];
   }
   return result;
 }

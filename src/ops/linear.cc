@@ -81,11 +81,11 @@ void linear(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, 
 }
 
 void linear_backward(RowMatrix x, RowMatrix w, const float* dy, int64_t lddy, float* dx, int64_t lddx, float* grad_w,
-                     float* grad_b, int num_threads) {
+                     int64_t ldgw, float* grad_b, int num_threads) {
   check_shapes(x, w);
   const int64_t N = x.rows, in = x.cols, out = w.rows;
   // grad_w (out × in) += dyᵀ (out × N) · x (N × in)
-  gemm(true, false, out, in, N, dy, lddy, x.data, x.row_stride, 1.0f, grad_w, w.row_stride, num_threads);
+  gemm(true, false, out, in, N, dy, lddy, x.data, x.row_stride, 1.0f, grad_w, ldgw, num_threads);
   if (grad_b) {
     // Column sums in a fixed order (rows in sequence), in double.
     parallel_for((out + 63) / 64, num_threads, [&](int64_t t) {
@@ -130,6 +130,29 @@ void linear(const View<const float>& x, const View<const float>& weight, const V
             "linear: rows of x, weight and y must be contiguous");
   ops::linear({x.data, x.shape[0], x.shape[1], x.stride[0]}, {weight.data, weight.shape[0], weight.shape[1], weight.stride[0]},
               bias.given() ? bias.data : nullptr, y.data, y.stride[0], num_threads);
+}
+
+void linear_backward(const View<const float>& x, const View<const float>& weight, const View<const float>& dy,
+                     const View<float>& grad_x, const View<float>& grad_weight, const View<float>& grad_bias,
+                     int num_threads) {
+  MHA_CHECK(x.rank == 2 && weight.rank == 2 && dy.rank == 2, "linear_backward: x {}, weight {} and dy {} must be 2-D",
+            shape_string(x), shape_string(weight), shape_string(dy));
+  const int64_t N = x.shape[0], in = x.shape[1], out = weight.shape[0];
+  MHA_CHECK(weight.shape[1] == in && dy.shape[0] == N && dy.shape[1] == out,
+            "linear_backward: x {} · weight {}ᵀ does not give dy {}", shape_string(x), shape_string(weight),
+            shape_string(dy));
+  MHA_CHECK(grad_weight.rank == 2 && grad_weight.shape == weight.shape && grad_weight.stride[1] == 1,
+            "linear_backward: grad_weight must be {} with contiguous rows; got {}", shape_string(weight),
+            shape_string(grad_weight));
+  MHA_CHECK(!grad_bias.given() || (grad_bias.rank == 1 && grad_bias.shape[0] == out && grad_bias.stride[0] == 1),
+            "linear_backward: grad_bias must be contiguous ({},); got {}", out, shape_string(grad_bias));
+  MHA_CHECK(!grad_x.given() || (grad_x.rank == 2 && grad_x.shape == x.shape && (in <= 1 || grad_x.stride[1] == 1)),
+            "linear_backward: grad_x must be {} with contiguous rows; got {}", shape_string(x), shape_string(grad_x));
+  MHA_CHECK((in <= 1 || (x.stride[1] == 1 && weight.stride[1] == 1)) && (out <= 1 || dy.stride[1] == 1),
+            "linear_backward: rows of x, weight and dy must be contiguous");
+  ops::linear_backward({x.data, N, in, x.stride[0]}, {weight.data, out, in, weight.stride[0]}, dy.data, dy.stride[0],
+                       grad_x.given() ? grad_x.data : nullptr, grad_x.given() ? grad_x.stride[0] : 0, grad_weight.data,
+                       grad_weight.stride[0], grad_bias.given() ? grad_bias.data : nullptr, num_threads);
 }
 
 }  // namespace mha

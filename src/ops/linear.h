@@ -27,10 +27,11 @@ void linear_ref(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t l
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
           int64_t ldb, float beta, float* C, int64_t ldc, int num_threads);
 
-// Backward of linear(): given dy (N, out), adds dyᵀ·x to grad_w (out, in) and column sums of
-// dy to grad_b (if not null), and writes dx = dy · w (N, in) if dx is not null.
+// Backward of linear(): given dy (N, out), adds dyᵀ·x to grad_w (out, in, row stride ldgw) and
+// column sums of dy (summed in double, rows in order) to grad_b (if not null), and writes
+// dx = dy · w (N, in) if dx is not null.
 void linear_backward(RowMatrix x, RowMatrix w, const float* dy, int64_t lddy, float* dx, int64_t lddx, float* grad_w,
-                     float* grad_b, int num_threads);
+                     int64_t ldgw, float* grad_b, int num_threads);
 
 }  // namespace mha::ops
 
