@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test — the one command CI runs (.ci/run):
-#   1. the GoogleTest suite and the README example (Release)
-#   2. the same suite under AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer)
-#   3. the same suite under ThreadSanitizer (clang, LLVM OpenMP with the Archer tool)
-#   4. each libFuzzer target for a short, bounded time on its committed corpus
-# MHA_TEST_QUICK=1 runs stage 1 only. MHA_FUZZ_SECONDS sets stage 4's time per target (20).
+#   1. the GoogleTest suite and the README examples (Release)
+#   2. the Python package: `pip install .` into a virtual environment that sees Debian's
+#      python3-torch, then the pytest/hypothesis differential tests against torch
+#   3. the C++ suite under AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer)
+#   4. the C++ suite under ThreadSanitizer (clang, LLVM OpenMP with the Archer tool)
+#   5. each libFuzzer target for a short, bounded time on its committed corpus
+# MHA_TEST_QUICK=1 runs stage 1 only. MHA_FUZZ_SECONDS sets stage 5's time per target (20).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=${MHA_TEST_QUICK:-0}
@@ -30,24 +32,50 @@ run_ctest() {
   return $status
 }
 
-echo "== 1/4: tests (Release)"
+# Installs the package into build/py-venv and runs tests/python, adding to the totals.
+run_python() {
+  scripts/deps.sh python3-dev python3-venv python3-numpy python3-torch python3-pytest python3-hypothesis
+  local venv=build/py-venv
+  [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv --system-site-packages "$venv"
+  if ! "$venv/bin/pip" install -q .; then
+    echo "python: pip install . FAILED"
+    failed=$((failed + 1))
+    return 1
+  fi
+  local log status=0
+  log=$(mktemp)
+  (cd build && "../$venv/bin/python" -m pytest -q -p no:cacheprovider ../tests/python) 2>&1 | tee "$log" || status=1
+  local ok bad
+  ok=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | cut -d' ' -f1)
+  bad=$(grep -Eo '[0-9]+ (failed|error)' "$log" | awk '{s += $1} END {print s + 0}')
+  rm -f "$log"
+  passed=$((passed + ${ok:-0}))
+  if [ "$status" != 0 ] && [ "${bad:-0}" = 0 ]; then bad=1; fi
+  failed=$((failed + ${bad:-0}))
+  return $status
+}
+
+echo "== 1/5: tests (Release)"
 scripts/build.sh
 run_ctest build || true
 
 if [ "$quick" != 1 ]; then
-  echo "== 2/4: tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+  echo "== 2/5: Python package and its differential tests against torch"
+  run_python || true
+
+  echo "== 3/5: tests under AddressSanitizer + UndefinedBehaviorSanitizer"
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_SANITIZE=address,undefined >/dev/null
   cmake --build build-asan -j"$jobs" >/dev/null
   run_ctest build-asan ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 || true
 
-  echo "== 3/4: tests under ThreadSanitizer"
+  echo "== 4/5: tests under ThreadSanitizer"
   archer=$(ls /usr/lib/llvm-*/lib/libarcher.so | sort -V | tail -1)
   cmake -S . -B build-tsan -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_SANITIZE=thread >/dev/null
   cmake --build build-tsan -j"$jobs" >/dev/null
   run_ctest build-tsan OMP_TOOL_LIBRARIES="$archer" \
     TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp allocator_may_return_null=1 halt_on_error=1" || true
 
-  echo "== 4/4: fuzzers, ${MHA_FUZZ_SECONDS:-20} s each on the committed corpora"
+  echo "== 5/5: fuzzers, ${MHA_FUZZ_SECONDS:-20} s each on the committed corpora"
   cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_FUZZERS=ON \
     -DMHA_BUILD_TESTS=OFF -DMHA_BUILD_TOOLS=OFF >/dev/null
   cmake --build build-fuzz -j"$jobs" >/dev/null

@@ -1,0 +1,16 @@
+"""mha: multi-head attention in C++ with PyTorch's API.
+
+    import mha
+    out = mha.scaled_dot_product_attention(q, k, v, is_causal=True)   # numpy or torch
+    layer = mha.MultiheadAttention.from_torch(torch_layer)             # same weights, same call
+
+Inputs are float32 numpy arrays or CPU torch tensors, taken without copying; results come back
+as the kind given. See the docstrings of mha.functional and mha.modules, and docs/semantics.md
+for masks, causal alignment, dropout and fully masked rows.
+"""
+from ._mha import Error, KvCache
+from .functional import scaled_dot_product_attention
+from .modules import MultiheadAttention
+
+__version__ = "0.1.0"
+__all__ = ["Error", "KvCache", "MultiheadAttention", "scaled_dot_product_attention", "__version__"]

@@ -1,0 +1,111 @@
+"""Array kinds: mha takes numpy arrays or torch tensors and returns the kind it was given.
+
+Nothing here copies q, k or v: torch tensors go to the extension through DLPack (detached, so
+that autograd's bookkeeping stays in Python), numpy arrays through the buffer protocol. torch
+is never imported by mha itself; a tensor can only exist if the caller imported it.
+"""
+import sys
+
+import numpy as np
+
+from . import _mha
+
+Error = _mha.Error
+
+
+def torch_module():
+    return sys.modules.get("torch")
+
+
+def is_torch(x):
+    torch = torch_module()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def kind_of(*arrays):
+    """'torch' or 'numpy' for the non-None arrays; mixing the two is an error."""
+    kinds = {"torch" if is_torch(a) else "numpy" for a in arrays if a is not None}
+    if len(kinds) > 1:
+        raise Error("mha: pass either torch tensors or numpy arrays, not both")
+    return kinds.pop() if kinds else "numpy"
+
+
+def check_float32(x, name):
+    if is_torch(x):
+        torch = torch_module()
+        if x.device.type != "cpu":
+            raise Error(f"{name}: mha runs on the CPU; got a tensor on {x.device}")
+        if x.dtype != torch.float32:
+            raise Error(f"{name}: mha computes in float32; got {x.dtype} {tuple(x.shape)} (use .float())")
+        return x
+    if not isinstance(x, np.ndarray):
+        raise Error(f"{name}: expected a numpy array or a torch tensor; got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise Error(f"{name}: mha computes in float32; got {x.dtype} {x.shape} (use .astype(np.float32))")
+    return x
+
+
+def native(x):
+    """What the extension receives: a detached tensor or a numpy array with non-negative strides."""
+    if x is None:
+        return None
+    if is_torch(x):
+        x = x.detach()
+        torch = torch_module()
+        if x.dtype == torch.bool:  # older torch cannot export bool through DLPack: a byte copy of the mask
+            x = x.to(torch.uint8)
+        return x
+    if any(s < 0 for s in x.strides) or not x.dtype.isnative:
+        return np.ascontiguousarray(x)
+    return x
+
+
+def empty(kind, shape):
+    if kind == "torch":
+        torch = torch_module()
+        return torch.empty(tuple(shape), dtype=torch.float32)
+    return np.empty(tuple(shape), dtype=np.float32)
+
+
+def from_numpy(kind, a):
+    """A result of the extension (numpy) in the caller's kind, without a copy."""
+    if a is None or kind == "numpy":
+        return a
+    return torch_module().from_numpy(a)
+
+
+def is_bool(x):
+    if is_torch(x):
+        return x.dtype == torch_module().bool
+    return x.dtype == np.bool_
+
+
+def is_floating(x):
+    if is_torch(x):
+        return x.dtype.is_floating_point
+    return np.issubdtype(x.dtype, np.floating)
+
+
+def expand(x, shape):
+    """Broadcast x to shape without copying (stride 0)."""
+    if is_torch(x):
+        return x.expand(*shape)
+    return np.broadcast_to(x, tuple(shape))
+
+
+def reshape(x, shape):
+    return x.reshape(tuple(shape))
+
+
+def logical_not(x):
+    if is_torch(x):
+        return ~x
+    return np.logical_not(x)
+
+
+def random_seed(kind):
+    """A dropout seed from the caller's global generator (torch.manual_seed / np.random.seed)."""
+    if kind == "torch":
+        torch = torch_module()
+        return int(torch.randint(0, 2**62, (1,)).item())
+    return int(np.random.randint(0, 2**62, dtype=np.int64))

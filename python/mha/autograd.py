@@ -1,0 +1,59 @@
+"""torch.autograd integration: mha's attention inside a torch model, trained by torch.
+
+mha.scaled_dot_product_attention routes here when a torch input requires grad. The forward
+keeps the output and its log-sum-exp (O(T) memory, no T x T matrix); the backward runs mha's
+FlashAttention-2-style kernel, regenerating dropout from the saved seed. Broadcast key/value
+(a batch or head dimension of 1) is expanded *outside* the Function, so torch sums the
+gradient over the broadcast copies itself. attn_mask, key_lengths: constants (no gradient).
+"""
+import torch
+
+from . import _arrays as A
+from . import _mha
+
+
+class AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, bias, lengths, params):
+        (scale, causal, window, dropout_p, seed, num_threads, backend, want_weights, average_weights, S) = params
+        N, Hq, L, _ = q.shape
+        out = torch.empty((N, Hq, L, v.shape[-1]), dtype=torch.float32)
+        lse = torch.empty((N, Hq, L), dtype=torch.float32)
+        weights = None
+        if want_weights:
+            weights = torch.empty((N, L, S) if average_weights else (N, Hq, L, S), dtype=torch.float32)
+        _mha.attention(q.detach(), k.detach(), v.detach(), out, keep_mask=A.native(keep), bias=A.native(bias),
+                       key_lengths=lengths, lse=lse, weights=weights, scale=scale, causal=causal, window=window,
+                       dropout_p=dropout_p, dropout_seed=seed, num_threads=num_threads, backend=backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.keep, ctx.bias, ctx.lengths, ctx.params = keep, bias, lengths, params
+        ctx.mark_non_differentiable(lse)
+        if weights is None:
+            return out, lse
+        ctx.mark_non_differentiable(weights)
+        return out, lse, weights
+
+    @staticmethod
+    def backward(ctx, grad_out, *unused):
+        q, k, v, out, lse = ctx.saved_tensors
+        (scale, causal, window, dropout_p, seed, num_threads, backend, _, _, _) = ctx.params
+        dq = torch.empty(q.shape, dtype=torch.float32)
+        dk = torch.empty(k.shape, dtype=torch.float32)
+        dv = torch.empty(v.shape, dtype=torch.float32)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        _mha.attention_backward(q.detach(), k.detach(), v.detach(), out, lse, grad_out.contiguous(), dq, dk, dv,
+                                keep_mask=A.native(ctx.keep), bias=A.native(ctx.bias), key_lengths=ctx.lengths,
+                                scale=scale, causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
+                                num_threads=num_threads, backend=backend)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention(p, dropout_p, seed, num_threads, backend, want_weights, average_weights):
+    """(out, lse, weights) of the prepared arguments p (see functional._prepare), differentiable."""
+    params = (p.scale, p.causal, p.window, float(dropout_p), seed, num_threads, backend, want_weights,
+              average_weights, p.S)
+    results = AttentionFunction.apply(p.q, p.k, p.v, p.keep, p.bias, p.lengths, params)
+    out, lse = results[0], results[1]
+    weights = results[2] if want_weights else None
+    return out, lse, weights

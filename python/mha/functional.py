@@ -1,0 +1,191 @@
+"""mha.scaled_dot_product_attention: torch.nn.functional.scaled_dot_product_attention's
+signature and semantics, on mha's kernels, for numpy arrays and torch tensors.
+
+Semantics (as torch's):
+  query (..., L, E), key (..., S, E), value (..., S, Ev) -> (..., L, Ev); batch dimensions
+  broadcast. With enable_gqa, dimension -3 holds the heads and key/value may have fewer heads
+  that divide the query's (query head h reads key head h // (Hq // Hk)).
+  attn_mask: bool -> True means the key takes part; float -> added to the scaled scores.
+  is_causal: query i sees keys j <= i (top-left, torch's alignment, also when L != S).
+  scale: default 1/sqrt(E). dropout_p: applied to the probabilities (functional: always).
+Differences, all documented in docs/semantics.md:
+  a query row with no visible key returns zeros (torch returns NaN);
+  is_causal and attn_mask together are allowed (both apply; torch raises);
+  inputs must be float32 on the CPU (torch also takes float64/float16).
+Extras (keyword-only): causal_alignment="bottom-right" (the last query sees the last key),
+key_lengths (N,) for padded keys, window (sliding window, with is_causal), return_lse,
+return_weights / average_weights, dropout_seed (reproducible dropout), num_threads, backend.
+
+With torch tensors that require grad (and grad mode on) the call is differentiable in query,
+key and value through mha's backward kernel (mha.autograd).
+"""
+import math
+
+import numpy as np
+
+from . import _arrays as A
+from . import _mha
+
+Error = _mha.Error
+
+_ALIGN = {"top-left": 1, "bottom-right": 2}
+
+
+def _prod(shape):
+    return int(np.prod(shape)) if len(shape) else 1
+
+
+def _broadcast_shapes(*shapes, what):
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise Error(f"scaled_dot_product_attention: batch dimensions of {what} do not broadcast: "
+                    + ", ".join(str(tuple(s)) for s in shapes)) from None
+
+
+def _to4(x, lead, tail):
+    """x broadcast to lead + tail, then as (N,) + tail: no copy when len(lead) <= 1."""
+    x = A.expand(x, tuple(lead) + tuple(tail))
+    if len(lead) == 1:
+        return x
+    return A.reshape(x, (_prod(lead),) + tuple(tail))
+
+
+class _Prepared:
+    """Arguments in the extension's 4-D convention, and how to shape results back."""
+
+
+def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths):
+    for x, n in ((query, "query"), (key, "key"), (value, "value")):
+        A.check_float32(x, n)
+        if x.ndim < 2:
+            raise Error(f"scaled_dot_product_attention: {n} needs at least 2 dimensions (..., T, E); got shape "
+                        f"{tuple(x.shape)}")
+    L, E = query.shape[-2:]
+    S, Ek = key.shape[-2:]
+    Sv, Ev = value.shape[-2:]
+    if Ek != E or Sv != S:
+        raise Error(f"scaled_dot_product_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                    f"{tuple(value.shape)} disagree (query and key need one E, key and value one S)")
+    qb, kb, vb = tuple(query.shape[:-2]), tuple(key.shape[:-2]), tuple(value.shape[:-2])
+    Hq = qb[-1] if qb else 1
+    Hk = kb[-1] if kb else 1
+    Hv = vb[-1] if vb else 1
+    if Hk != Hv:
+        raise Error(f"scaled_dot_product_attention: key {tuple(key.shape)} and value {tuple(value.shape)} have "
+                    f"different head counts")
+    if enable_gqa:
+        if Hq % Hk:
+            raise Error(f"scaled_dot_product_attention: enable_gqa needs the query's heads ({Hq}) to be a multiple "
+                        f"of the key's ({Hk}); query {tuple(query.shape)}, key {tuple(key.shape)}")
+    elif Hk not in (1, Hq):
+        raise Error(f"scaled_dot_product_attention: query {tuple(query.shape)} and key {tuple(key.shape)} have "
+                    f"different head counts; pass enable_gqa=True for grouped-query attention")
+    lead = _broadcast_shapes(qb[:-1], kb[:-1], vb[:-1], what="query, key and value")
+    p = _Prepared()
+    p.lead, p.Hq, p.L, p.S, p.Ev = lead, Hq, L, S, Ev
+    p.N = _prod(lead)
+    p.query_ndim = query.ndim
+    one = () if lead else (1,)  # rank-2 inputs (no batch dims) run as N = 1
+    p.q = _to4(query, lead or one, (Hq, L, E))
+    p.k = _to4(key, lead or one, (Hk, S, E))
+    p.v = _to4(value, lead or one, (Hk, S, Ev))
+    p.keep = p.bias = None
+    if attn_mask is not None:
+        if A.is_torch(attn_mask) != A.is_torch(query):
+            raise Error("scaled_dot_product_attention: attn_mask must be the same kind (torch/numpy) as query")
+        score_rank = len(lead) + 3
+        if attn_mask.ndim > score_rank:
+            raise Error(f"scaled_dot_product_attention: attn_mask {tuple(attn_mask.shape)} has more dimensions "
+                        f"than the scores {tuple(lead) + (Hq, L, S)}")
+        m = A.reshape(attn_mask, (1,) * (score_rank - attn_mask.ndim) + tuple(attn_mask.shape))
+        if len(lead) > 1:
+            m = A.reshape(A.expand(m, tuple(lead) + tuple(m.shape[len(lead):])), (p.N,) + tuple(m.shape[len(lead):]))
+        elif not lead:
+            m = A.reshape(m, (1,) + tuple(m.shape))
+        if A.is_bool(m):
+            p.keep = m
+        elif A.is_floating(m):
+            A.check_float32(attn_mask, "attn_mask")
+            p.bias = m
+        else:
+            raise Error(f"scaled_dot_product_attention: attn_mask must be bool (True = takes part) or float32 "
+                        f"(added to the scores); got {attn_mask.dtype}")
+    if causal_alignment not in _ALIGN:
+        raise Error(f"scaled_dot_product_attention: causal_alignment must be 'top-left' or 'bottom-right'; got "
+                    f"{causal_alignment!r}")
+    p.causal = _ALIGN[causal_alignment] if is_causal else 0
+    p.lengths = None
+    if key_lengths is not None:
+        lengths = np.asarray(key_lengths.cpu() if A.is_torch(key_lengths) else key_lengths)
+        if lengths.shape != (p.N,):
+            raise Error(f"scaled_dot_product_attention: key_lengths must have shape ({p.N},) (one per batch "
+                        f"element); got {lengths.shape}")
+        if not np.issubdtype(lengths.dtype, np.integer):
+            raise Error(f"scaled_dot_product_attention: key_lengths must be integers; got {lengths.dtype}")
+        p.lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+    if scale is not None and not math.isfinite(scale):
+        raise Error(f"scaled_dot_product_attention: scale must be finite; got {scale}")
+    p.scale = None if scale is None else float(scale)
+    return p
+
+
+def _shape_back(p, x, tail):
+    """A (N, ...) result as lead + tail (rank-2 queries: just tail)."""
+    if p.query_ndim == 2:
+        return A.reshape(x, tail)
+    return A.reshape(x, tuple(p.lead) + tuple(tail))
+
+
+def _run_forward(p, kind, dropout_p, seed, num_threads, backend, want_lse, want_weights, average_weights):
+    out = A.empty(kind, (p.N, p.Hq, p.L, p.Ev))
+    lse = A.empty(kind, (p.N, p.Hq, p.L)) if want_lse else None
+    weights = None
+    if want_weights:
+        weights = A.empty(kind, (p.N, p.L, p.S) if average_weights else (p.N, p.Hq, p.L, p.S))
+    _mha.attention(A.native(p.q), A.native(p.k), A.native(p.v), out, keep_mask=A.native(p.keep),
+                   bias=A.native(p.bias), key_lengths=p.lengths, lse=lse, weights=weights, scale=p.scale,
+                   causal=p.causal, window=p.window, dropout_p=float(dropout_p), dropout_seed=seed,
+                   num_threads=num_threads, backend=backend)
+    return out, lse, weights
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, causal_alignment="top-left", key_lengths=None, window=0,
+                                 return_lse=False, return_weights=False, average_weights=False, dropout_seed=None,
+                                 num_threads=0, backend="auto"):
+    """See the module docstring. Returns out, or a tuple (out, [lse], [weights]) with the extras
+    asked for: lse (..., Hq, L), weights (..., Hq, L, S) or averaged over heads (..., L, S)."""
+    kind = A.kind_of(query, key, value, attn_mask)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise Error(f"scaled_dot_product_attention: dropout_p must be in [0, 1]; got {dropout_p}")
+    p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths)
+    p.window = int(window)
+    seed = int(dropout_seed) if dropout_seed is not None else (A.random_seed(kind) if dropout_p > 0 else 0)
+
+    needs_grad = False
+    if kind == "torch":
+        torch = A.torch_module()
+        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+        if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+            raise Error("scaled_dot_product_attention: mha does not compute gradients with respect to attn_mask; "
+                        "pass attn_mask.detach()")
+    if needs_grad:
+        from . import autograd  # imports torch, which the caller already has
+        out, lse, weights = autograd.attention(p, dropout_p, seed, num_threads, backend, return_weights,
+                                               average_weights)
+    else:
+        out, lse, weights = _run_forward(p, kind, dropout_p, seed, num_threads, backend, return_lse,
+                                         return_weights, average_weights)
+    results = [_shape_back(p, out, (p.Hq, p.L, p.Ev))]
+    if p.query_ndim == 2:
+        results[0] = A.reshape(out, (p.L, p.Ev))
+    if return_lse:
+        results.append(A.reshape(lse, (p.L,)) if p.query_ndim == 2 else _shape_back(p, lse, (p.Hq, p.L)))
+    if return_weights:
+        if average_weights:
+            w = A.reshape(weights, (p.L, p.S)) if p.query_ndim == 2 else _shape_back(p, weights, (p.L, p.S))
+        else:
+            w = A.reshape(weights, (p.L, p.S)) if p.query_ndim == 2 else _shape_back(p, weights, (p.Hq, p.L, p.S))
+        results.append(w)
+    return results[0] if len(results) == 1 else tuple(results)

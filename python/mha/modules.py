@@ -1,0 +1,239 @@
+"""mha.MultiheadAttention: torch.nn.MultiheadAttention's constructor, forward and state_dict
+names, on mha's C++ module (one packed QKV GEMM for self-attention, the fast kernel).
+
+forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+        average_attn_weights=True, is_causal=False) -> (attn_output, attn_weights or None)
+with torch's conventions: (L, N, E) unless batch_first, unbatched (L, E) inputs; bool
+attn_mask True = *not* allowed to attend, float attn_mask added; attn_mask (L, S) or
+(N * num_heads, L, S); key_padding_mask (N, S), bool True = padding or float added; dropout on
+the weights in training mode (a new module is in training mode, as torch's; call .eval()).
+Differences (docs/semantics.md): a query with every key masked gets zeros before the output
+projection (torch: NaN); is_causal without attn_mask applies a causal mask (torch raises);
+add_bias_kv and add_zero_attn are not supported (an error says so).
+Extras: num_kv_heads (GQA), keep_mask= (nonzero = attend, the seeds' polarity), dropout_seed=,
+key/value optional (self-attention), step() with a KvCache for decoding, from_torch().
+"""
+import numpy as np
+
+from . import _arrays as A
+from . import _mha
+
+Error = _mha.Error
+KvCache = _mha.KvCache
+
+_HEAD_ATTRIBUTES = ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads", "h")
+
+
+def _numpy_state_dict(state_dict):
+    out = {}
+    for name, t in state_dict.items():
+        if A.is_torch(t):
+            t = t.detach().cpu()
+            t = t.float() if t.is_floating_point() else t
+            t = t.numpy()
+        t = np.asarray(t)
+        if not np.issubdtype(t.dtype, np.floating):
+            continue  # buffers such as seed 000's causal mask: not weights
+        out[name] = np.ascontiguousarray(t, dtype=np.float32)
+    return out
+
+
+class MultiheadAttention:
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, num_kv_heads=None,
+                 out_dropout=0.0, seed=0, num_threads=0):
+        if add_bias_kv or add_zero_attn:
+            raise Error("MultiheadAttention: add_bias_kv and add_zero_attn are not supported by mha")
+        if device is not None and str(device) != "cpu":
+            raise Error(f"MultiheadAttention: mha runs on the CPU; got device={device}")
+        if dtype is not None and "float32" not in str(dtype):
+            raise Error(f"MultiheadAttention: mha computes in float32; got dtype={dtype}")
+        self._m = _mha.Module(embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads or 0,
+                              kdim=kdim or 0, vdim=vdim or 0, bias=bias, attn_dropout=float(dropout),
+                              out_dropout=float(out_dropout), batch_first=batch_first, seed=seed)
+        self.training = True
+        self.num_threads = num_threads
+        self.backend = "auto"
+
+    # --- construction from PyTorch -----------------------------------------------------------
+
+    @classmethod
+    def from_state_dict(cls, state_dict, num_heads, *, causal=False, max_seq_len=0, batch_first=True, dropout=0.0,
+                        out_dropout=0.0, prefix="", num_threads=0):
+        """A module whose layout (widths, kv heads, bias, output projection) is read from the
+        weights' names and shapes: nn.MultiheadAttention's or separate q/k/v/out Linear layers
+        (the seed modules). `state_dict` maps names to torch tensors or numpy arrays."""
+        self = cls.__new__(cls)
+        self._m = _mha.Module.from_state_dict(_numpy_state_dict(state_dict), num_heads, causal=1 if causal else 0,
+                                              max_seq_len=max_seq_len, batch_first=batch_first,
+                                              attn_dropout=float(dropout), out_dropout=float(out_dropout),
+                                              prefix=prefix)
+        self.training = True
+        self.num_threads = num_threads
+        self.backend = "auto"
+        return self
+
+    @classmethod
+    def from_torch(cls, module, num_heads=None, **kwargs):
+        """The same module in mha, weights copied. nn.MultiheadAttention keeps its settings
+        (batch_first, dropout, kdim/vdim, training mode); another module (such as the seeds')
+        is read through from_state_dict: pass num_heads unless the module has an attribute
+        for it, and causal/max_seq_len/batch_first as it behaves."""
+        torch = A.torch_module()
+        if torch is not None and isinstance(module, torch.nn.MultiheadAttention):
+            if module.bias_k is not None or module.add_zero_attn:
+                raise Error("MultiheadAttention.from_torch: add_bias_kv and add_zero_attn are not supported by mha")
+            self = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
+                       bias=module.in_proj_bias is not None, kdim=module.kdim, vdim=module.vdim,
+                       batch_first=module.batch_first, **kwargs)
+            self.load_state_dict(module.state_dict())
+        else:
+            if num_heads is None:
+                for name in _HEAD_ATTRIBUTES:
+                    if isinstance(getattr(module, name, None), int):
+                        num_heads = getattr(module, name)
+                        break
+                else:
+                    raise Error(f"MultiheadAttention.from_torch: cannot tell the number of heads of "
+                                f"{type(module).__name__}; pass num_heads=")
+            self = cls.from_state_dict(module.state_dict(), num_heads, **kwargs)
+        self.training = module.training
+        return self
+
+    def load_state_dict(self, state_dict, strict=True, prefix=""):
+        """Copies weights in by torch's names. strict: names that are not weights of this module
+        are an error (as torch's strict loading)."""
+        layout, used, ignored = self._m.load_state_dict(_numpy_state_dict(state_dict), prefix=prefix)
+        if strict and ignored:
+            raise Error(f"MultiheadAttention.load_state_dict: unexpected keys {ignored} ({layout})")
+        return layout
+
+    def state_dict(self):
+        """Weights by nn.MultiheadAttention's names (separate q/k/v/out names when those cannot
+        express this module), as numpy arrays: torch.from_numpy or load_state_dict takes them."""
+        return self._m.state_dict()
+
+    # --- settings ----------------------------------------------------------------------------
+
+    @property
+    def config(self):
+        return self._m.config
+
+    embed_dim = property(lambda self: self._m.config["embed_dim"])
+    num_heads = property(lambda self: self._m.config["num_heads"])
+    num_kv_heads = property(lambda self: self._m.config["num_kv_heads"])
+    kdim = property(lambda self: self._m.config["kdim"])
+    vdim = property(lambda self: self._m.config["vdim"])
+    batch_first = property(lambda self: self._m.config["batch_first"])
+    dropout = property(lambda self: self._m.config["attn_dropout"])
+    head_dim = property(lambda self: self._m.config["qk_dim"] // self._m.config["num_heads"])
+
+    def train(self, mode=True):
+        self.training = bool(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False, *, keep_mask=None, dropout_seed=None):
+        kind = A.kind_of(query, key, value, key_padding_mask, attn_mask, keep_mask)
+        self_attention = key is None or (key is query and value is query)
+        if (key is None) != (value is None):
+            raise Error("MultiheadAttention: give both key and value, or neither (self-attention)")
+        A.check_float32(query, "query")
+        if not self_attention:
+            A.check_float32(key, "key")
+            A.check_float32(value, "value")
+        if query.ndim not in (2, 3):
+            raise Error(f"MultiheadAttention: query must be (L, E) unbatched, or (N, L, E) / (L, N, E) batched; got "
+                        f"{tuple(query.shape)}")
+        batched = query.ndim == 3
+        bf = self.batch_first
+
+        def batch(x):  # unbatched (T, E) -> the module's batched layout with N = 1
+            if x is None or batched:
+                return x
+            return x[None] if bf else x[:, None]
+
+        q, k, v = batch(query), batch(key), batch(value)
+        N = q.shape[0 if bf else 1]
+        L = q.shape[1 if bf else 0]
+        S = L if self_attention else k.shape[1 if bf else 0]
+        H = self.num_heads
+
+        keep = None
+        if keep_mask is not None:
+            keep = keep_mask if A.is_bool(keep_mask) else keep_mask != 0
+        bias = None
+        kpm = None
+        if attn_mask is not None:
+            if attn_mask.ndim == 3:
+                if attn_mask.shape[0] != N * H:
+                    raise Error(f"MultiheadAttention: a 3-D attn_mask must be (N * num_heads, L, S) = ({N * H}, {L}, "
+                                f"{S}); got {tuple(attn_mask.shape)}")
+                attn_mask = A.reshape(attn_mask, (N, H) + tuple(attn_mask.shape[1:]))
+            elif attn_mask.ndim != 2:
+                raise Error(f"MultiheadAttention: attn_mask must be (L, S) or (N * num_heads, L, S); got "
+                            f"{tuple(attn_mask.shape)}")
+            if A.is_bool(attn_mask):
+                blocked_free = A.logical_not(attn_mask)  # torch: True = not allowed
+                keep = blocked_free if keep is None else _and(keep, blocked_free)
+            else:
+                A.check_float32(attn_mask, "attn_mask")
+                bias = attn_mask
+        elif is_causal:
+            causal = np.tril(np.ones((L, S), dtype=bool))
+            keep = A.from_numpy(kind, causal) if keep is None else _and(keep, A.from_numpy(kind, causal))
+        if key_padding_mask is not None:
+            kp = key_padding_mask if batched else key_padding_mask[None]
+            if tuple(kp.shape) != (N, S):
+                raise Error(f"MultiheadAttention: key_padding_mask must be (N, S) = ({N}, {S}); got "
+                            f"{tuple(key_padding_mask.shape)}")
+            if A.is_bool(kp):
+                kpm = kp
+            else:
+                A.check_float32(kp, "key_padding_mask")
+                kp4 = A.reshape(kp, (N, 1, 1, S))
+                bias = kp4 if bias is None else bias + kp4
+        seed = dropout_seed
+        if seed is None and self.training and self.dropout > 0:
+            seed = A.random_seed(kind)
+        out, weights = self._m.forward(A.native(q), None if self_attention else A.native(k),
+                                       None if self_attention else A.native(v), keep_mask=A.native(keep),
+                                       attn_bias=A.native(bias), key_padding_mask=A.native(kpm),
+                                       need_weights=bool(need_weights), average_weights=bool(average_attn_weights),
+                                       training=self.training, dropout_seed=seed, num_threads=self.num_threads,
+                                       backend=self.backend)
+        if not batched:
+            out = out[0] if bf else out[:, 0]
+            if weights is not None:
+                weights = weights[0]
+        return A.from_numpy(kind, out), A.from_numpy(kind, weights)
+
+    # --- decoding ----------------------------------------------------------------------------
+
+    def make_cache(self, batch, capacity=0):
+        """A KV cache for step(): this module's kv heads and head dims."""
+        return self._m.make_cache(batch, capacity)
+
+    def step(self, x, cache, new_tokens=None):
+        """Incremental self-attention: x holds the newest positions (N, n, E) (or (n, N, E) when
+        not batch_first); their keys and values are appended to `cache` and each attends to its
+        sequence's earlier positions and itself, as a causal forward over the whole sequence
+        would. new_tokens[b]: how many of the n rows of sequence b are real (default all)."""
+        kind = A.kind_of(x)
+        A.check_float32(x, "x")
+        out = self._m.step(A.native(x), cache, list(new_tokens or []), num_threads=self.num_threads)
+        return A.from_numpy(kind, out)
+
+
+def _and(a, b):
+    if A.is_torch(a) or A.is_torch(b):
+        return a.bool() & b.bool()
+    return np.logical_and(a, b)

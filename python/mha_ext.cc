@@ -1,0 +1,340 @@
+// mha._mha: the nanobind extension under the Python package (python/mha/). It exposes the C++
+// library with the least policy: arrays arrive as nanobind ndarrays (numpy through the buffer
+// protocol or DLPack, torch through DLPack), any strides, never copied; outputs are written into
+// arrays the Python layer allocated, or returned as numpy arrays that own the C++ tensor.
+// Semantics (torch's argument conventions, broadcasting, kinds) live in python/mha/*.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <string>
+
+#include "mha/attention.h"
+#include "mha/error.h"
+#include "mha/kv_cache.h"
+#include "mha/multi_head_attention.h"
+
+namespace nb = nanobind;
+
+namespace mha::python {
+namespace {
+
+using In = nb::ndarray<nb::ro, nb::device::cpu>;   // read-only input, any dtype and strides
+using Out = nb::ndarray<nb::device::cpu>;          // writable output
+using Numpy = nb::ndarray<nb::numpy, float>;
+
+const char* dtype_label(nb::dlpack::dtype t) {
+  if (t == nb::dtype<float>()) return "float32";
+  if (t == nb::dtype<double>()) return "float64";
+  if (t == nb::dtype<bool>()) return "bool";
+  if (t == nb::dtype<uint8_t>()) return "uint8";
+  if (t == nb::dtype<int32_t>()) return "int32";
+  if (t == nb::dtype<int64_t>()) return "int64";
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16) return "float16";
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat)) return "bfloat16";
+  return "another dtype";
+}
+
+// A View of an array whose dtype must be T (bool arrays read as uint8).
+template <typename T, typename A>
+View<T> view_of(const A& a, const char* name) {
+  using U = std::remove_const_t<T>;
+  const bool ok = a.dtype() == nb::dtype<U>() || (std::is_same_v<U, uint8_t> && a.dtype() == nb::dtype<bool>());
+  if (!ok) {
+    const char* want = std::is_same_v<U, float> ? "float32" : std::is_same_v<U, uint8_t> ? "bool or uint8" : "int32";
+    throw Error(std::string(name) + ": mha needs " + want + ", got " + dtype_label(a.dtype()));
+  }
+  if (a.ndim() < 1 || a.ndim() > 4) {
+    throw Error(std::string(name) + ": needs 1 to 4 dimensions, got " + std::to_string(a.ndim()));
+  }
+  View<T> v;
+  v.data = static_cast<T*>(const_cast<void*>(static_cast<const void*>(a.data())));
+  v.rank = static_cast<int>(a.ndim());
+  for (int i = 0; i < v.rank; ++i) {
+    v.shape[i] = static_cast<int64_t>(a.shape(i));
+    v.stride[i] = a.stride(i);
+  }
+  return v;
+}
+
+template <typename T, typename A>
+View<T> optional_view(const std::optional<A>& a, const char* name) {
+  return a ? view_of<T>(*a, name) : View<T>();
+}
+
+// A numpy array owning `t` (no copy).
+Numpy to_numpy(Tensor&& t) {
+  if (!t.defined()) throw Error("internal: returning an undefined tensor");
+  auto* owner = new Tensor(std::move(t));
+  nb::capsule deleter(owner, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
+  std::vector<size_t> shape(owner->shape().begin(), owner->shape().end());
+  return Numpy(owner->data<float>(), shape.size(), shape.data(), deleter);
+}
+
+Causal causal_of(int c) {
+  if (c < 0 || c > 2) throw Error("causal must be 0 (none), 1 (top-left) or 2 (bottom-right); got " + std::to_string(c));
+  return static_cast<Causal>(c);
+}
+
+Backend backend_of(const std::string& b) {
+  if (b == "auto") return Backend::kAuto;
+  if (b == "reference") return Backend::kReference;
+  if (b == "fast") return Backend::kFast;
+  throw Error("backend must be 'auto', 'reference' or 'fast'; got '" + b + "'");
+}
+
+AttentionOptions options_of(std::optional<float> scale, int causal, int64_t window, float dropout_p,
+                            uint64_t dropout_seed, int num_threads, const std::string& backend) {
+  AttentionOptions o;
+  o.scale = scale;
+  o.causal = causal_of(causal);
+  o.window = window;
+  o.dropout_p = dropout_p;
+  o.dropout_seed = dropout_seed;
+  o.num_threads = num_threads;
+  o.backend = backend_of(backend);
+  return o;
+}
+
+void attention_py(const In& q, const In& k, const In& v, const Out& out, const std::optional<In>& keep_mask,
+                  const std::optional<In>& bias, const std::optional<In>& key_lengths, const std::optional<Out>& lse,
+                  const std::optional<Out>& weights, std::optional<float> scale, int causal, int64_t window,
+                  float dropout_p, uint64_t dropout_seed, int num_threads, const std::string& backend) {
+  AttentionInputs in;
+  in.query = view_of<const float>(q, "query");
+  in.key = view_of<const float>(k, "key");
+  in.value = view_of<const float>(v, "value");
+  in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
+  in.bias = optional_view<const float>(bias, "attn_mask");
+  in.key_lengths = optional_view<const int32_t>(key_lengths, "key_lengths");
+  AttentionOutputs o;
+  o.out = view_of<float>(out, "out");
+  o.lse = optional_view<float>(lse, "lse");
+  o.weights = optional_view<float>(weights, "weights");
+  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend);
+  nb::gil_scoped_release release;
+  attention(in, o, opt);
+}
+
+void attention_backward_py(const In& q, const In& k, const In& v, const In& out, const In& lse, const In& grad_out,
+                           const Out& dq, const Out& dk, const Out& dv, const std::optional<In>& keep_mask,
+                           const std::optional<In>& bias, const std::optional<In>& key_lengths,
+                           std::optional<float> scale, int causal, int64_t window, float dropout_p,
+                           uint64_t dropout_seed, int num_threads, const std::string& backend) {
+  AttentionInputs in;
+  in.query = view_of<const float>(q, "query");
+  in.key = view_of<const float>(k, "key");
+  in.value = view_of<const float>(v, "value");
+  in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
+  in.bias = optional_view<const float>(bias, "attn_mask");
+  in.key_lengths = optional_view<const int32_t>(key_lengths, "key_lengths");
+  const AttentionGrads g{view_of<float>(dq, "grad_query"), view_of<float>(dk, "grad_key"), view_of<float>(dv, "grad_value")};
+  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend);
+  const View<const float> o = view_of<const float>(out, "out"), l = view_of<const float>(lse, "lse");
+  const View<const float> go = view_of<const float>(grad_out, "grad_out");
+  nb::gil_scoped_release release;
+  attention_backward(in, o, l, go, g, opt);
+}
+
+// --- Module ---------------------------------------------------------------------------------------
+
+StateDict state_dict_of(const std::map<std::string, In>& arrays) {
+  StateDict sd;
+  for (const auto& [name, a] : arrays) {
+    if (a.dtype() != nb::dtype<float>()) {
+      throw Error("weights: '" + name + "' must be float32 here (the Python layer converts); got " +
+                  dtype_label(a.dtype()));
+    }
+    const View<const float> v = a.ndim() == 0 ? View<const float>(static_cast<const float*>(a.data()), {1})
+                                               : view_of<const float>(a, name.c_str());
+    sd.emplace(name, to_tensor(v));
+  }
+  return sd;
+}
+
+struct PyMha {
+  MultiHeadAttention m;
+  std::string layout;                // what from_state_dict recognised
+  std::vector<std::string> ignored;  // names it did not use
+};
+
+MultiHeadAttentionConfig config_of(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
+                                   int64_t qk_dim, int64_t v_dim, int64_t out_dim, bool bias, bool out_proj,
+                                   float attn_dropout, float out_dropout, int causal, int64_t window,
+                                   int64_t max_seq_len, bool batch_first) {
+  MultiHeadAttentionConfig c;
+  c.embed_dim = embed_dim;
+  c.num_heads = num_heads;
+  c.num_kv_heads = num_kv_heads;
+  c.kdim = kdim;
+  c.vdim = vdim;
+  c.qk_dim = qk_dim;
+  c.v_dim = v_dim;
+  c.out_dim = out_dim;
+  c.bias = bias;
+  c.out_proj = out_proj;
+  c.attn_dropout = attn_dropout;
+  c.out_dropout = out_dropout;
+  c.causal = causal_of(causal);
+  c.window = window;
+  c.max_seq_len = max_seq_len;
+  c.batch_first = batch_first;
+  return c;
+}
+
+nb::dict config_dict(const MultiHeadAttentionConfig& c, const MultiHeadAttention& m) {
+  nb::dict d;
+  d["embed_dim"] = c.embed_dim;
+  d["num_heads"] = c.num_heads;
+  d["num_kv_heads"] = c.num_kv_heads;
+  d["kdim"] = c.kdim;
+  d["vdim"] = c.vdim;
+  d["qk_dim"] = c.qk_dim;
+  d["v_dim"] = c.v_dim;
+  d["out_dim"] = m.output_dim();
+  d["bias"] = c.bias;
+  d["out_proj"] = c.out_proj;
+  d["attn_dropout"] = c.attn_dropout;
+  d["out_dropout"] = c.out_dropout;
+  d["causal"] = static_cast<int>(c.causal);
+  d["window"] = c.window;
+  d["max_seq_len"] = c.max_seq_len;
+  d["batch_first"] = c.batch_first;
+  return d;
+}
+
+}  // namespace
+}  // namespace mha::python
+
+NB_MODULE(_mha, m) {
+  using namespace mha;
+  using namespace mha::python;
+  m.doc() = "mha's C++ core; use the mha package, not this module";
+  nb::exception<Error>(m, "Error", PyExc_ValueError);
+
+  m.def("attention", &attention_py, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("out"),
+        nb::arg("keep_mask").none() = nb::none(), nb::arg("bias").none() = nb::none(),
+        nb::arg("key_lengths").none() = nb::none(), nb::arg("lse").none() = nb::none(),
+        nb::arg("weights").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
+        nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
+        nb::arg("backend") = "auto");
+  m.def("attention_backward", &attention_backward_py, nb::arg("query"), nb::arg("key"), nb::arg("value"),
+        nb::arg("out"), nb::arg("lse"), nb::arg("grad_out"), nb::arg("grad_query"), nb::arg("grad_key"),
+        nb::arg("grad_value"), nb::arg("keep_mask").none() = nb::none(), nb::arg("bias").none() = nb::none(),
+        nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
+        nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
+        nb::arg("backend") = "auto");
+
+  nb::class_<KvCache>(m, "KvCache")
+      .def("length", &KvCache::length, nb::arg("b"))
+      .def("stored", &KvCache::stored, nb::arg("b"))
+      .def_prop_ro("capacity", &KvCache::capacity)
+      .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
+      .def("reset", &KvCache::reset);
+
+  nb::class_<PyMha>(m, "Module")
+      .def(
+          "__init__",
+          [](PyMha* self, int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
+             int64_t qk_dim, int64_t v_dim, int64_t out_dim, bool bias, bool out_proj, float attn_dropout,
+             float out_dropout, int causal, int64_t window, int64_t max_seq_len, bool batch_first, uint64_t seed) {
+            new (self) PyMha{MultiHeadAttention(config_of(embed_dim, num_heads, num_kv_heads, kdim, vdim, qk_dim, v_dim,
+                                                          out_dim, bias, out_proj, attn_dropout, out_dropout, causal,
+                                                          window, max_seq_len, batch_first),
+                                                seed),
+                             "", {}};
+          },
+          nb::arg("embed_dim"), nb::arg("num_heads"), nb::arg("num_kv_heads") = 0, nb::arg("kdim") = 0,
+          nb::arg("vdim") = 0, nb::arg("qk_dim") = 0, nb::arg("v_dim") = 0, nb::arg("out_dim") = 0,
+          nb::arg("bias") = true, nb::arg("out_proj") = true, nb::arg("attn_dropout") = 0.0f,
+          nb::arg("out_dropout") = 0.0f, nb::arg("causal") = 0, nb::arg("window") = 0, nb::arg("max_seq_len") = 0,
+          nb::arg("batch_first") = true, nb::arg("seed") = 0)
+      .def_static(
+          "from_state_dict",
+          [](const std::map<std::string, In>& arrays, int64_t num_heads, int causal, int64_t window,
+             int64_t max_seq_len, bool batch_first, float attn_dropout, float out_dropout, const std::string& prefix) {
+            MultiHeadAttentionConfig base;
+            base.num_heads = num_heads;
+            base.causal = causal_of(causal);
+            base.window = window;
+            base.max_seq_len = max_seq_len;
+            base.batch_first = batch_first;
+            base.attn_dropout = attn_dropout;
+            base.out_dropout = out_dropout;
+            LoadReport report;
+            MultiHeadAttention m = MultiHeadAttention::from_state_dict(state_dict_of(arrays), base, &report, prefix);
+            return PyMha{std::move(m), report.layout, report.ignored};
+          },
+          nb::arg("state_dict"), nb::arg("num_heads"), nb::arg("causal") = 0, nb::arg("window") = 0,
+          nb::arg("max_seq_len") = 0, nb::arg("batch_first") = true, nb::arg("attn_dropout") = 0.0f,
+          nb::arg("out_dropout") = 0.0f, nb::arg("prefix") = "")
+      .def_ro("layout", &PyMha::layout)
+      .def_ro("ignored", &PyMha::ignored)
+      .def(
+          "load_state_dict",
+          [](PyMha& self, const std::map<std::string, In>& arrays, const std::string& prefix) {
+            const LoadReport r = self.m.load_state_dict(state_dict_of(arrays), prefix);
+            return std::make_tuple(r.layout, r.used, r.ignored);
+          },
+          nb::arg("state_dict"), nb::arg("prefix") = "")
+      .def("state_dict",
+           [](const PyMha& self) {
+             std::map<std::string, Numpy> out;
+             for (auto& [name, t] : self.m.state_dict()) out.emplace(name, to_numpy(std::move(t)));
+             return out;
+           })
+      .def_prop_ro("config", [](const PyMha& self) { return config_dict(self.m.config(), self.m); })
+      .def(
+          "forward",
+          [](PyMha& self, const In& query, const std::optional<In>& key, const std::optional<In>& value,
+             const std::optional<In>& keep_mask, const std::optional<In>& attn_bias,
+             const std::optional<In>& key_padding_mask, bool need_weights, bool average_weights, bool training,
+             std::optional<uint64_t> dropout_seed, int num_threads, const std::string& backend) {
+            MhaInputs in;
+            in.query = view_of<const float>(query, "query");
+            in.key = optional_view<const float>(key, "key");
+            in.value = optional_view<const float>(value, "value");
+            in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
+            in.attn_bias = optional_view<const float>(attn_bias, "attn_mask");
+            in.key_padding_mask = optional_view<const uint8_t>(key_padding_mask, "key_padding_mask");
+            in.need_weights = need_weights;
+            in.average_weights = average_weights;
+            in.dropout_seed = dropout_seed;
+            self.m.train(training);
+            self.m.set_num_threads(num_threads);
+            self.m.set_backend(backend_of(backend));
+            MhaOutput r;
+            {
+              nb::gil_scoped_release release;
+              r = self.m.forward(in);
+            }
+            nb::object weights = need_weights ? nb::cast(to_numpy(std::move(r.weights))) : nb::none();
+            return std::make_tuple(to_numpy(std::move(r.output)), weights);
+          },
+          nb::arg("query"), nb::arg("key").none() = nb::none(), nb::arg("value").none() = nb::none(),
+          nb::arg("keep_mask").none() = nb::none(), nb::arg("attn_bias").none() = nb::none(),
+          nb::arg("key_padding_mask").none() = nb::none(), nb::arg("need_weights") = false,
+          nb::arg("average_weights") = true, nb::arg("training") = false,
+          nb::arg("dropout_seed").none() = nb::none(), nb::arg("num_threads") = 0, nb::arg("backend") = "auto")
+      .def(
+          "make_cache",
+          [](const PyMha& self, int64_t batch, int64_t capacity) { return self.m.make_cache(batch, capacity); },
+          nb::arg("batch"), nb::arg("capacity") = 0)
+      .def(
+          "step",
+          [](PyMha& self, const In& x, KvCache& cache, const std::vector<int64_t>& new_tokens, int num_threads) {
+            self.m.set_num_threads(num_threads);
+            MhaOutput r;
+            {
+              nb::gil_scoped_release release;
+              r = self.m.step(view_of<const float>(x, "x"), cache, new_tokens);
+            }
+            return to_numpy(std::move(r.output));
+          },
+          nb::arg("x"), nb::arg("cache"), nb::arg("new_tokens") = std::vector<int64_t>(), nb::arg("num_threads") = 0);
+}
