@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the full benchmark against PyTorch in the same process and draws the plot:
+# Runs the full benchmark against PyTorch in the same process (forward, memory, decoding,
+# training tables) and draws the plot:
 #   bench/run.sh [extra mha_bench flags]
 # Needs network access to PyPI once: it installs torch (the PyPI wheel carries libtorch; only
 # libtorch_cpu is used, so the CUDA dependencies are skipped) and matplotlib into build/bench-venv.
@@ -24,4 +25,6 @@ cmake --build build -j"$(nproc)" --target mha_bench
 mkdir -p build/bench
 build/mha_bench --threads 2 --sweep --csv build/bench/results.csv --json build/bench/results.json "$@" | tee build/bench/results.txt
 build/mha_bench --threads 2 --memory | tee -a build/bench/results.txt
+build/mha_bench --threads 2 --decode --csv build/bench/decode.csv | tee -a build/bench/results.txt
+build/mha_bench --threads 2 --train --csv build/bench/train.csv | tee -a build/bench/results.txt
 "$venv/bin/python" bench/plot.py build/bench/results.json build/bench/attention_sweep.png
