@@ -111,6 +111,14 @@ TEST(Cli, DemoRuns) {
   ASSERT_EQ(r.status, 0) << r.output;
   for (const char* shape : {"(10, 10, 768)", "(2, 8, 10, 10)", "(4, 12, 40)", "(4, 12, 96)"})
     EXPECT_NE(r.output.find(shape), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("equal to recomputing the whole sequence each step: yes"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("given 3 1 4 1 5 9 2 6 | writes 6 2 9 5 1 4 1 3"), std::string::npos) << r.output;
+}
+
+TEST(Cli, TrainReachesTheTargetAccuracy) {
+  const Result r = run("train --steps 1000 --threads 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("reached "), std::string::npos) << r.output;  // status 0: >= 99%
 }
 
 }  // namespace

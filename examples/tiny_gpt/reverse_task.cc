@@ -62,8 +62,10 @@ TinyGptConfig reverse_task_model(const ReverseTaskOptions& o) {
 }
 
 ReverseTaskReport train_reverse_task(const ReverseTaskOptions& o,
-                                     const std::function<void(const ReverseTaskReport&)>& progress) {
-  TinyGpt model(reverse_task_model(o));
+                                     const std::function<void(const ReverseTaskReport&)>& progress,
+                                     std::unique_ptr<TinyGpt>* trained) {
+  auto owned = std::make_unique<TinyGpt>(reverse_task_model(o));
+  TinyGpt& model = *owned;
   AdamOptions adam_options;
   adam_options.lr = o.lr;
   Adam adam(model.parameters(), adam_options);
@@ -112,6 +114,7 @@ ReverseTaskReport train_reverse_task(const ReverseTaskOptions& o,
       if (report.token_accuracy >= o.target_accuracy) break;
     }
   }
+  if (trained) *trained = std::move(owned);
   return report;
 }
 

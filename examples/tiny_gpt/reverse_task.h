@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "tiny_gpt/tiny_gpt.h"
@@ -41,9 +42,11 @@ struct ReverseTaskReport {
 // The model the task trains: 2 layers, dim 64, 4 heads.
 TinyGptConfig reverse_task_model(const ReverseTaskOptions& options);
 
-// Trains from scratch; `progress` (if set) is called after every evaluation.
+// Trains from scratch; `progress` (if set) is called after every evaluation; the trained model
+// is moved to *trained if that is not null.
 ReverseTaskReport train_reverse_task(const ReverseTaskOptions& options,
-                                     const std::function<void(const ReverseTaskReport&)>& progress = {});
+                                     const std::function<void(const ReverseTaskReport&)>& progress = {},
+                                     std::unique_ptr<TinyGpt>* trained = nullptr);
 
 }  // namespace mha::examples
 
