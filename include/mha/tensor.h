@@ -188,8 +188,12 @@ class Tensor {
   std::unique_ptr<std::byte[], FreeAligned> storage_;
 };
 
-// A contiguous float32 tensor holding a copy of any view.
+// A contiguous tensor holding a copy of any view, of the same shape (dimensions of size 1 stay,
+// so a copied mask still broadcasts). A view that is not given (rank 0) gives an undefined
+// tensor.
 Tensor to_tensor(const View<const float>& v);
+Tensor to_tensor(const View<const uint8_t>& v);
+Tensor to_tensor(const View<const int32_t>& v);
 
 }  // namespace mha
 

@@ -318,22 +318,6 @@ Rows contiguous_rows(const View<const float>& v) {
 
 uint64_t derive_seed(uint64_t seed, uint64_t stream) { return splitmix64(seed ^ splitmix64(stream)); }
 
-// A contiguous copy of any view, keeping its shape (size-1 dimensions still broadcast).
-template <typename T>
-Tensor copy_of(const View<const T>& v) {
-  if (!v.given()) return Tensor();
-  Tensor t(DTypeOf<std::remove_const_t<T>>::value, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.rank));
-  auto* out = t.data<std::remove_const_t<T>>();
-  const int64_t d0 = v.shape[0], d1 = v.rank > 1 ? v.shape[1] : 1, d2 = v.rank > 2 ? v.shape[2] : 1,
-                d3 = v.rank > 3 ? v.shape[3] : 1;
-  int64_t n = 0;
-  for (int64_t a = 0; a < d0; ++a)
-    for (int64_t b = 0; b < d1; ++b)
-      for (int64_t c = 0; c < d2; ++c)
-        for (int64_t d = 0; d < d3; ++d) out[n++] = v.at(a, b, c, d);
-  return t;
-}
-
 template <typename T>
 View<const T> view_or_empty(const Tensor& t) {
   return t.defined() ? t.view<T>() : View<const T>();
@@ -556,9 +540,9 @@ MhaOutput MultiHeadAttention::forward(const MhaInputs& in, MhaTape* tape) const 
     }
     t.qkv = std::move(qkv), t.kbuf = std::move(kbuf), t.vbuf = std::move(vbuf);
     t.merged = merged.defined() ? std::move(merged) : result.output.clone();
-    t.keep = keep.defined() ? std::move(keep) : copy_of(in.keep_mask);
-    t.bias = copy_of(in.attn_bias);
-    t.lengths = copy_of(in.key_lengths);
+    t.keep = keep.defined() ? std::move(keep) : to_tensor(in.keep_mask);
+    t.bias = to_tensor(in.attn_bias);
+    t.lengths = to_tensor(in.key_lengths);
     t.options = opt;
     t.out_dropout = drop_out ? c.out_dropout : 0.0f;
     t.out_dropout_seed = out_seed;

@@ -131,11 +131,14 @@ Tensor Tensor::to_f32() const {
   return t;
 }
 
-Tensor to_tensor(const View<const float>& v) {
-  std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.rank);
-  Tensor t(DType::kF32, shape);
-  float* out = t.data<float>();
-  const int64_t d0 = v.rank > 0 ? v.shape[0] : 1, d1 = v.rank > 1 ? v.shape[1] : 1;
+namespace {
+
+template <typename T>
+Tensor copy_view(const View<const T>& v) {
+  if (!v.given()) return Tensor();
+  Tensor t(DTypeOf<T>::value, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.rank));
+  T* out = t.data<T>();
+  const int64_t d0 = v.shape[0], d1 = v.rank > 1 ? v.shape[1] : 1;
   const int64_t d2 = v.rank > 2 ? v.shape[2] : 1, d3 = v.rank > 3 ? v.shape[3] : 1;
   int64_t n = 0;
   for (int64_t a = 0; a < d0; ++a)
@@ -144,5 +147,11 @@ Tensor to_tensor(const View<const float>& v) {
         for (int64_t d = 0; d < d3; ++d) out[n++] = v.at(a, b, c, d);
   return t;
 }
+
+}  // namespace
+
+Tensor to_tensor(const View<const float>& v) { return copy_view(v); }
+Tensor to_tensor(const View<const uint8_t>& v) { return copy_view(v); }
+Tensor to_tensor(const View<const int32_t>& v) { return copy_view(v); }
 
 }  // namespace mha
