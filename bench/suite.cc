@@ -230,7 +230,10 @@ std::vector<AttentionCase> training_attention_cases() {
   return v;
 }
 
-double time_mha_attention_backward(const AttentionCase& c, int threads, double seconds) {
+namespace {
+
+// The backward alone (given the forward's output and LSE), or forward + backward.
+double time_backward(const AttentionCase& c, int threads, double seconds, bool with_forward) {
   const Tensor q = filled({c.B, c.H, c.Tq, c.D}, 1.0f), k = filled({c.B, c.Hkv, c.Tk, c.D}, 1.0f);
   const Tensor v = filled({c.B, c.Hkv, c.Tk, c.Dv}, 1.0f), dout = filled({c.B, c.H, c.Tq, c.Dv}, 1.0f);
   Tensor out(DType::kF32, {c.B, c.H, c.Tq, c.Dv}), lse(DType::kF32, {c.B, c.H, c.Tq});
@@ -240,32 +243,25 @@ double time_mha_attention_backward(const AttentionCase& c, int threads, double s
   opt.num_threads = threads;
   opt.causal = c.causal ? Causal::kTopLeft : Causal::kNone;
   const AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
-  attention(in, {out.view<float>(), lse.view<float>()}, opt);
+  const AttentionOutputs fwd{out.view<float>(), lse.view<float>()};
+  if (!with_forward) attention(in, fwd, opt);
   return time_calls(
       [&] {
+        if (with_forward) attention(in, fwd, opt);
         attention_backward(in, out.view<float>(), lse.view<float>(), dout.view<float>(),
                            {dq.view<float>(), dk.view<float>(), dv.view<float>()}, opt);
       },
       seconds);
 }
 
+}  // namespace
+
+double time_mha_attention_backward(const AttentionCase& c, int threads, double seconds) {
+  return time_backward(c, threads, seconds, false);
+}
+
 double time_mha_attention_fwd_bwd(const AttentionCase& c, int threads, double seconds) {
-  const Tensor q = filled({c.B, c.H, c.Tq, c.D}, 1.0f), k = filled({c.B, c.Hkv, c.Tk, c.D}, 1.0f);
-  const Tensor v = filled({c.B, c.Hkv, c.Tk, c.Dv}, 1.0f), dout = filled({c.B, c.H, c.Tq, c.Dv}, 1.0f);
-  Tensor out(DType::kF32, {c.B, c.H, c.Tq, c.Dv}), lse(DType::kF32, {c.B, c.H, c.Tq});
-  Tensor dq(DType::kF32, {c.B, c.H, c.Tq, c.D}), dk(DType::kF32, {c.B, c.Hkv, c.Tk, c.D});
-  Tensor dv(DType::kF32, {c.B, c.Hkv, c.Tk, c.Dv});
-  AttentionOptions opt;
-  opt.num_threads = threads;
-  opt.causal = c.causal ? Causal::kTopLeft : Causal::kNone;
-  const AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
-  return time_calls(
-      [&] {
-        attention(in, {out.view<float>(), lse.view<float>()}, opt);
-        attention_backward(in, out.view<float>(), lse.view<float>(), dout.view<float>(),
-                           {dq.view<float>(), dk.view<float>(), dv.view<float>()}, opt);
-      },
-      seconds);
+  return time_backward(c, threads, seconds, true);
 }
 
 double time_mha_module_train(const ModuleCase& c, int threads, double seconds) {
@@ -297,43 +293,65 @@ std::string attention_shape(const AttentionCase& c) {
 
 }  // namespace
 
+namespace {
+
+// Seconds per call of one implementation on one case.
+using Timer = std::function<double(int threads, double seconds)>;
+
+// Binds a peer's timer to a case; empty when there is no peer or it lacks this measurement.
+template <typename Case>
+Timer peer_timer(const Peer* peer, std::function<double(const Case&, int, double)> Peer::*member, const Case& c) {
+  if (!peer || !(peer->*member)) return {};
+  return [peer, member, &c](int threads, double seconds) { return (peer->*member)(c, threads, seconds); };
+}
+
+// Measures one row, mha then the peer, printing progress to stderr.
+class RowRunner {
+ public:
+  RowRunner(const Options& o, size_t total) : o_(o), total_(total) {}
+  Row run(std::string suite, std::string name, std::string shape, double flops, const Timer& mha, const Timer& peer) {
+    std::fprintf(stderr, "[%zu/%zu] %s %s %s ...\n", ++done_, total_, suite.c_str(), name.c_str(), shape.c_str());
+    Row r;
+    r.suite = std::move(suite);
+    r.name = std::move(name);
+    r.shape = std::move(shape);
+    r.flops = flops;
+    r.mha_s = mha(o_.threads, o_.seconds);
+    if (peer) r.peer_s = peer(o_.threads, o_.seconds);
+    return r;
+  }
+
+ private:
+  const Options& o_;
+  size_t total_, done_ = 0;
+};
+
+std::string case_name(const AttentionCase& c) { return c.name + (c.causal ? " causal" : ""); }
+std::string module_shape(const ModuleCase& c) { return fmt::format("B={} T={} E={} H={}", c.B, c.T, c.E, c.H); }
+
+}  // namespace
+
 std::vector<Row> run_training(const Options& o, const Peer* peer) {
   const std::vector<AttentionCase> att = training_attention_cases();
   std::vector<ModuleCase> mods;
   for (const ModuleCase& c : standard_module_cases())
     if (c.T >= 128) mods.push_back(c);
-  const size_t total = 2 * att.size() + mods.size();
+  RowRunner runner(o, 2 * att.size() + mods.size());
   std::vector<Row> rows;
-  size_t done = 0;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (const AttentionCase& c : att) {
-      Row r;
-      r.suite = pass == 0 ? "backward" : "fwd+bwd";
-      r.name = c.name + (c.causal ? " causal" : "");
-      r.shape = attention_shape(c);
-      std::fprintf(stderr, "[%zu/%zu] %s %s %s ...\n", ++done, total, r.suite.c_str(), r.name.c_str(), r.shape.c_str());
-      if (pass == 0) {
-        r.flops = c.backward_flops();
-        r.mha_s = time_mha_attention_backward(c, o.threads, o.seconds);
-        if (peer && peer->attention_backward) r.peer_s = peer->attention_backward(c, o.threads, o.seconds);
-      } else {
-        r.flops = c.flops() + c.backward_flops();
-        r.mha_s = time_mha_attention_fwd_bwd(c, o.threads, o.seconds);
-        if (peer && peer->attention_fwd_bwd) r.peer_s = peer->attention_fwd_bwd(c, o.threads, o.seconds);
-      }
-      rows.push_back(r);
-    }
+  for (const AttentionCase& c : att) {
+    rows.push_back(runner.run("backward", case_name(c), attention_shape(c), c.backward_flops(),
+                              [&](int t, double s) { return time_mha_attention_backward(c, t, s); },
+                              peer_timer(peer, &Peer::attention_backward, c)));
+  }
+  for (const AttentionCase& c : att) {
+    rows.push_back(runner.run("fwd+bwd", case_name(c), attention_shape(c), c.flops() + c.backward_flops(),
+                              [&](int t, double s) { return time_mha_attention_fwd_bwd(c, t, s); },
+                              peer_timer(peer, &Peer::attention_fwd_bwd, c)));
   }
   for (const ModuleCase& c : mods) {
-    Row r;
-    r.suite = "module train";
-    r.name = c.name;
-    r.shape = fmt::format("B={} T={} E={} H={}", c.B, c.T, c.E, c.H);
-    std::fprintf(stderr, "[%zu/%zu] module train %s %s ...\n", ++done, total, r.name.c_str(), r.shape.c_str());
-    r.flops = c.train_flops();
-    r.mha_s = time_mha_module_train(c, o.threads, o.seconds);
-    if (peer && peer->module_train) r.peer_s = peer->module_train(c, o.threads, o.seconds);
-    rows.push_back(r);
+    rows.push_back(runner.run("module train", c.name, module_shape(c), c.train_flops(),
+                              [&](int t, double s) { return time_mha_module_train(c, t, s); },
+                              peer_timer(peer, &Peer::module_train, c)));
   }
   return rows;
 }
@@ -344,30 +362,18 @@ std::vector<Row> run_suites(const Options& o, const Peer* peer, bool sweep) {
     for (const auto& c : sequence_sweep()) att.push_back(c);
   }
   const std::vector<ModuleCase> mods = standard_module_cases();
-  const size_t total = att.size() + mods.size();
+  RowRunner runner(o, att.size() + mods.size());
   std::vector<Row> rows;
-  size_t done = 0;
   for (const AttentionCase& c : att) {
-    Row r;
-    r.suite = c.name == "sweep" ? (c.causal ? "sweep-causal" : "sweep") : "attention";
-    r.name = c.name + (c.causal ? " causal" : "");
-    r.shape = attention_shape(c);
-    std::fprintf(stderr, "[%zu/%zu] attention %s %s ...\n", ++done, total, r.name.c_str(), r.shape.c_str());
-    r.flops = c.flops();
-    r.mha_s = time_mha_attention(c, o.threads, o.seconds);
-    if (peer && peer->attention) r.peer_s = peer->attention(c, o.threads, o.seconds);
-    rows.push_back(r);
+    const std::string suite = c.name == "sweep" ? (c.causal ? "sweep-causal" : "sweep") : "attention";
+    rows.push_back(runner.run(suite, case_name(c), attention_shape(c), c.flops(),
+                              [&](int t, double s) { return time_mha_attention(c, t, s); },
+                              peer_timer(peer, &Peer::attention, c)));
   }
   for (const ModuleCase& c : mods) {
-    Row r;
-    r.suite = "module";
-    r.name = c.name;
-    r.shape = fmt::format("B={} T={} E={} H={}", c.B, c.T, c.E, c.H);
-    std::fprintf(stderr, "[%zu/%zu] module %s %s ...\n", ++done, total, r.name.c_str(), r.shape.c_str());
-    r.flops = c.flops();
-    r.mha_s = time_mha_module(c, o.threads, o.seconds);
-    if (peer && peer->module) r.peer_s = peer->module(c, o.threads, o.seconds);
-    rows.push_back(r);
+    rows.push_back(runner.run("module", c.name, module_shape(c), c.flops(),
+                              [&](int t, double s) { return time_mha_module(c, t, s); },
+                              peer_timer(peer, &Peer::module, c)));
   }
   return rows;
 }

@@ -101,10 +101,8 @@ AttentionOptions options_of(std::optional<float> scale, int causal, int64_t wind
   return o;
 }
 
-void attention_py(const In& q, const In& k, const In& v, const Out& out, const std::optional<In>& keep_mask,
-                  const std::optional<In>& bias, const std::optional<In>& key_lengths, const std::optional<Out>& lse,
-                  const std::optional<Out>& weights, std::optional<float> scale, int causal, int64_t window,
-                  float dropout_p, uint64_t dropout_seed, int num_threads, const std::string& backend) {
+AttentionInputs inputs_of(const In& q, const In& k, const In& v, const std::optional<In>& keep_mask,
+                          const std::optional<In>& bias, const std::optional<In>& key_lengths) {
   AttentionInputs in;
   in.query = view_of<const float>(q, "query");
   in.key = view_of<const float>(k, "key");
@@ -112,6 +110,14 @@ void attention_py(const In& q, const In& k, const In& v, const Out& out, const s
   in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
   in.bias = optional_view<const float>(bias, "attn_mask");
   in.key_lengths = optional_view<const int32_t>(key_lengths, "key_lengths");
+  return in;
+}
+
+void attention_py(const In& q, const In& k, const In& v, const Out& out, const std::optional<In>& keep_mask,
+                  const std::optional<In>& bias, const std::optional<In>& key_lengths, const std::optional<Out>& lse,
+                  const std::optional<Out>& weights, std::optional<float> scale, int causal, int64_t window,
+                  float dropout_p, uint64_t dropout_seed, int num_threads, const std::string& backend) {
+  const AttentionInputs in = inputs_of(q, k, v, keep_mask, bias, key_lengths);
   AttentionOutputs o;
   o.out = view_of<float>(out, "out");
   o.lse = optional_view<float>(lse, "lse");
@@ -126,13 +132,7 @@ void attention_backward_py(const In& q, const In& k, const In& v, const In& out,
                            const std::optional<In>& bias, const std::optional<In>& key_lengths,
                            std::optional<float> scale, int causal, int64_t window, float dropout_p,
                            uint64_t dropout_seed, int num_threads, const std::string& backend) {
-  AttentionInputs in;
-  in.query = view_of<const float>(q, "query");
-  in.key = view_of<const float>(k, "key");
-  in.value = view_of<const float>(v, "value");
-  in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
-  in.bias = optional_view<const float>(bias, "attn_mask");
-  in.key_lengths = optional_view<const int32_t>(key_lengths, "key_lengths");
+  const AttentionInputs in = inputs_of(q, k, v, keep_mask, bias, key_lengths);
   const AttentionGrads g{view_of<float>(dq, "grad_query"), view_of<float>(dk, "grad_key"), view_of<float>(dv, "grad_value")};
   const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend);
   const View<const float> o = view_of<const float>(out, "out"), l = view_of<const float>(lse, "lse");

@@ -26,7 +26,7 @@ int run_bench(const BenchArgs& args) {
   const auto rows = args.train ? bench::run_training(o, nullptr) : bench::run_suites(o, nullptr, args.sweep);
   // Measured again after the suite; the larger is the machine's peak.
   bench::report(rows, std::max(peak, bench::measure_peak_gflops(o.threads)), o, nullptr);
-  std::printf("(PyTorch columns: build mha_bench with libtorch, see bench/README.md)\n");
+  std::printf("(PyTorch columns: bench/run.sh builds mha_bench with libtorch; see README.md, Speed)\n");
   return 0;
 }
 
