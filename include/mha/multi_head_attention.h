@@ -188,6 +188,13 @@ class MultiHeadAttention {
     int64_t cols[4];  // input widths of q, k, v, out
   };
   Dims dims() const;
+  // y (rows × out, row stride ldy) = x (rows × in, contiguous) · Wᵀ + b of projection p, on the
+  // module's backend.
+  void project(Proj p, const float* x, int64_t rows, float* y, int64_t ldy) const;
+  // Rows of [q | k | v] = x · [Wq; Wk; Wv]ᵀ + [bq; bk; bv]: self-attention's one GEMM.
+  void project_qkv(const float* x, int64_t rows, float* qkv) const;
+  // (B, T, output_dim()) or (T, B, output_dim()).
+  std::vector<int64_t> output_shape(int64_t B, int64_t T) const;
   bool packed() const { return config_.kdim == config_.embed_dim && config_.vdim == config_.embed_dim; }
 
   MultiHeadAttentionConfig config_;

@@ -1,0 +1,158 @@
+// MultiHeadAttention training: gradient buffers, parameters for an optimizer, and backward()
+// from a tape recorded by forward(inputs, &tape).
+#include <algorithm>
+
+#include "mha/multi_head_attention.h"
+#include "modules/multi_head_attention_internal.h"
+#include "ops/linear.h"
+#include "util/check.h"
+
+namespace mha {
+
+void MhaGrads::zero() {
+  for (Tensor* t : {&in_weight, &in_bias, &out_weight, &out_bias}) {
+    if (t->defined()) std::fill(t->data<float>(), t->data<float>() + t->numel(), 0.0f);
+  }
+}
+
+MhaGrads MultiHeadAttention::make_grads() const {
+  MhaGrads g;
+  g.in_weight = Tensor(DType::kF32, in_weight_.shape());
+  g.in_bias = Tensor(DType::kF32, in_bias_.shape());
+  if (config_.out_proj) {
+    g.out_weight = Tensor(DType::kF32, out_weight_.shape());
+    g.out_bias = Tensor(DType::kF32, out_bias_.shape());
+  }
+  return g;
+}
+
+namespace {
+
+void check_grads(const MhaGrads& g, const Tensor& in_weight, const Tensor& out_weight) {
+  MHA_CHECK(g.in_weight.defined() && g.in_weight.shape() == in_weight.shape() &&
+                g.out_weight.defined() == out_weight.defined() &&
+                (!out_weight.defined() || g.out_weight.shape() == out_weight.shape()),
+            "MultiHeadAttention::backward: grads were not made for this module (in_weight {} vs {}); use make_grads()",
+            shape_string(g.in_weight.shape().data(), g.in_weight.rank()),
+            shape_string(in_weight.shape().data(), in_weight.rank()));
+}
+
+}  // namespace
+
+std::vector<Parameter> MultiHeadAttention::parameters(MhaGrads* grads) {
+  if (grads) check_grads(*grads, in_weight_, out_weight_);
+  std::vector<Parameter> params;
+  const Dims d = dims();
+  const char* names[4] = {"q_proj", "k_proj", "v_proj", "out_proj"};
+  int64_t w_offset = 0, b_offset = 0;
+  for (int p = 0; p < 4; ++p) {
+    if (p == kOut && !config_.out_proj) continue;
+    const View<float> w = weight(static_cast<Proj>(p));
+    View<float> gw, gb;
+    if (grads) {
+      gw = p == kOut ? grads->out_weight.view<float>()
+                     : View<float>(grads->in_weight.data<float>() + w_offset, {d.rows[p], d.cols[p]});
+      gb = p == kOut ? grads->out_bias.view<float>() : View<float>(grads->in_bias.data<float>() + b_offset, {d.rows[p]});
+    }
+    params.push_back({std::string(names[p]) + ".weight", w, gw});
+    if (has_bias_[p]) params.push_back({std::string(names[p]) + ".bias", bias(static_cast<Proj>(p)), gb});
+    if (p < 3) w_offset += d.rows[p] * d.cols[p], b_offset += d.rows[p];
+  }
+  return params;
+}
+
+MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const float>& grad_output,
+                                           MhaGrads* grads) const {
+  MHA_CHECK(tape.recorded(), "MultiHeadAttention::backward: the tape is empty; record it with forward(inputs, &tape)");
+  const MhaTape::State& t = *tape.state_;
+  MHA_CHECK(t.module == this, "MultiHeadAttention::backward: the tape was recorded by another module");
+  MHA_CHECK(grads != nullptr, "MultiHeadAttention::backward: grads must not be null; use make_grads()");
+  check_grads(*grads, in_weight_, out_weight_);
+  MHA_CHECK(grad_output.rank == 3 && std::equal(t.output_shape.begin(), t.output_shape.end(), grad_output.shape.begin()),
+            "MultiHeadAttention::backward: grad_output must have the output's shape {}; got {}",
+            shape_string(t.output_shape.data(), 3), shape_string(grad_output));
+  MHA_CHECK(grad_output.numel() == 0 || grad_output.data, "MultiHeadAttention::backward: grad_output has a null data pointer");
+
+  const auto& c = config_;
+  const Dims d = dims();
+  const int64_t B = t.B, Tq = t.Tq, Tk = t.Tk, Nq = B * Tq, Nk = B * Tk;
+  const int64_t width = output_dim();
+  const modules::Layout lq{B, Tq, c.batch_first}, lk{B, Tk, c.batch_first};
+
+  // dL/d(output before dropout): the same draws as the forward's.
+  Tensor dy = to_tensor(grad_output);
+  if (t.out_dropout > 0) modules::apply_output_dropout(t.out_dropout, t.out_dropout_seed, dy.data<float>(), Nq, width);
+
+  // Output projection.
+  Tensor dmerged;
+  if (c.out_proj) {
+    dmerged = Tensor(DType::kF32, {Nq, c.v_dim});
+    ops::linear_backward({t.merged.data<float>(), Nq, c.v_dim, c.v_dim},
+                         {out_weight_.data<float>(), d.rows[3], d.cols[3], d.cols[3]}, dy.data<float>(), width,
+                         dmerged.data<float>(), c.v_dim, grads->out_weight.data<float>(), d.cols[3],
+                         has_bias_[kOut] ? grads->out_bias.data<float>() : nullptr, num_threads_);
+  } else {
+    dmerged = std::move(dy);
+  }
+
+  // Attention, with the forward's inputs rebuilt from the tape; the gradients of the projections
+  // take the projections' layout (self-attention always runs on the packed projection).
+  const bool packed_self = t.self;
+  const int64_t W = d.rows[0] + d.rows[1] + d.rows[2];
+  Tensor dqkv, dk, dv;
+  if (packed_self) {
+    dqkv = Tensor(DType::kF32, {Nq, W});
+  } else {
+    dqkv = Tensor(DType::kF32, {Nq, d.rows[0]});
+    dk = Tensor(DType::kF32, {Nk, d.rows[1]});
+    dv = Tensor(DType::kF32, {Nk, d.rows[2]});
+  }
+  auto data = [](const Tensor& x) { return x.defined() ? const_cast<float*>(x.data<float>()) : nullptr; };
+  const modules::QkvHeads heads = modules::qkv_heads(c, data(t.qkv), data(t.kbuf), data(t.vbuf), lq, lk);
+  const modules::QkvHeads grad_heads = modules::qkv_heads(c, data(dqkv), data(dk), data(dv), lq, lk);
+  AttentionInputs ai;
+  ai.query = heads.q;
+  ai.key = heads.k;
+  ai.value = heads.v;
+  ai.keep_mask = modules::view_or_empty<uint8_t>(t.keep);
+  ai.bias = modules::view_or_empty<float>(t.bias);
+  ai.key_lengths = modules::view_or_empty<int32_t>(t.lengths);
+  const int64_t Hq = c.num_heads, dh = head_dim_v();
+  const View<const float> out_heads = modules::heads_view(data(t.merged), lq, c.v_dim, Hq, dh);
+  const View<const float> dout_heads = modules::heads_view(dmerged.data<float>(), lq, c.v_dim, Hq, dh);
+  attention_backward(ai, out_heads, t.lse.view<float>(), dout_heads, {grad_heads.q, grad_heads.k, grad_heads.v},
+                     t.options);
+
+  // Input projections.
+  MhaInputGrads result;
+  result.query = Tensor(DType::kF32, t.query_shape);
+  if (packed_self) {
+    ops::linear_backward({t.xq.data<float>(), Nq, c.embed_dim, c.embed_dim}, {in_weight_.data<float>(), W, c.embed_dim, c.embed_dim},
+                         dqkv.data<float>(), W, result.query.data<float>(), c.embed_dim, grads->in_weight.data<float>(), c.embed_dim,
+                         grads->in_bias.data<float>(), num_threads_);
+    // Projections without a bias have no bias gradient.
+    int64_t offset = 0;
+    for (int p = 0; p < 3; ++p) {
+      if (!has_bias_[p]) std::fill(grads->in_bias.data<float>() + offset, grads->in_bias.data<float>() + offset + d.rows[p], 0.0f);
+      offset += d.rows[p];
+    }
+    return result;
+  }
+  result.key = Tensor(DType::kF32, t.key_shape);
+  result.value = Tensor(DType::kF32, t.value_shape);
+  const float* x[3] = {t.xq.data<float>(), t.xk.data<float>(), t.xv.data<float>()};
+  const float* dproj[3] = {dqkv.data<float>(), dk.data<float>(), dv.data<float>()};
+  float* dx[3] = {result.query.data<float>(), result.key.data<float>(), result.value.data<float>()};
+  const int64_t rows[3] = {Nq, Nk, Nk};
+  int64_t w_offset = 0, b_offset = 0;
+  for (int p = 0; p < 3; ++p) {
+    ops::linear_backward({x[p], rows[p], d.cols[p], d.cols[p]}, {in_weight_.data<float>() + w_offset, d.rows[p], d.cols[p], d.cols[p]},
+                         dproj[p], d.rows[p], dx[p], d.cols[p], grads->in_weight.data<float>() + w_offset, d.cols[p],
+                         has_bias_[p] ? grads->in_bias.data<float>() + b_offset : nullptr, num_threads_);
+    w_offset += d.rows[p] * d.cols[p];
+    b_offset += d.rows[p];
+  }
+  return result;
+}
+
+}  // namespace mha

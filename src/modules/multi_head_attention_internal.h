@@ -1,0 +1,107 @@
+// Pieces shared by the MultiHeadAttention sources (multi_head_attention.cc: weights and
+// forward; multi_head_attention_backward.cc: training; multi_head_attention_step.cc: decoding).
+// Not public API.
+#ifndef MHA_MODULES_MULTI_HEAD_ATTENTION_INTERNAL_H_
+#define MHA_MODULES_MULTI_HEAD_ATTENTION_INTERNAL_H_
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/dropout.h"
+#include "mha/multi_head_attention.h"
+#include "util/random.h"
+
+namespace mha {
+namespace modules {
+
+// Rows of the q, k and v projection weights: Hq heads of qk_dim/Hq, Hkv heads of the same, and
+// Hkv heads of v_dim/Hq.
+inline std::array<int64_t, 3> qkv_rows(const MultiHeadAttentionConfig& c) {
+  const int64_t group = c.num_heads / c.num_kv_heads;
+  return {c.qk_dim, c.qk_dim / group, c.v_dim / group};
+}
+
+// A row matrix of B*T rows holding a (B, T, E) or (T, B, E) sequence.
+struct Layout {
+  int64_t B, T;
+  bool batch_first;
+  // Strides (in rows) of batch and time.
+  int64_t batch_rows() const { return batch_first ? T : 1; }
+  int64_t time_rows() const { return batch_first ? 1 : B; }
+};
+
+// A (B, H, T, D) view of H heads of D floats at `base` inside a row matrix whose rows have
+// `width` floats.
+inline View<float> heads_view(float* base, const Layout& l, int64_t width, int64_t H, int64_t D) {
+  return View<float>(base, {l.B, H, l.T, D}, {l.batch_rows() * width, D, l.time_rows() * width, 1});
+}
+
+struct QkvHeads {
+  View<float> q, k, v;
+};
+
+// Head views of the q, k and v projections of a module with config c: in one packed buffer of
+// rows [q | k | v] when k and v are null, else in three buffers of their own widths. Projection
+// outputs and their gradients share these layouts.
+inline QkvHeads qkv_heads(const MultiHeadAttentionConfig& c, float* q, float* k, float* v, const Layout& lq,
+                          const Layout& lk) {
+  const std::array<int64_t, 3> rows = qkv_rows(c);
+  const int64_t dqk = c.qk_dim / c.num_heads, dv = c.v_dim / c.num_heads;
+  if (k == nullptr) {
+    const int64_t width = rows[0] + rows[1] + rows[2];
+    return {heads_view(q, lq, width, c.num_heads, dqk), heads_view(q + rows[0], lk, width, c.num_kv_heads, dqk),
+            heads_view(q + rows[0] + rows[1], lk, width, c.num_kv_heads, dv)};
+  }
+  return {heads_view(q, lq, rows[0], c.num_heads, dqk), heads_view(k, lk, rows[1], c.num_kv_heads, dqk),
+          heads_view(v, lk, rows[2], c.num_kv_heads, dv)};
+}
+
+// Rows of a (B, T, E) or (T, B, E) input, contiguous (copied if the view is not).
+struct Rows {
+  const float* data = nullptr;
+  Tensor holder;
+};
+inline Rows contiguous_rows(const View<const float>& v) {
+  if (v.is_contiguous()) return {v.data, Tensor()};
+  Rows r{nullptr, to_tensor(v)};
+  r.data = r.holder.data<float>();
+  return r;
+}
+
+inline uint64_t derive_seed(uint64_t seed, uint64_t stream) { return splitmix64(seed ^ splitmix64(stream)); }
+
+// Output dropout on `rows` rows of `width` floats, in place: the decision for element (n, o) is
+// Philox(seed) at (0, 0, n, o), so the backward applies the same mask to the gradient.
+inline void apply_output_dropout(float p, uint64_t seed, float* y, int64_t rows, int64_t width) {
+  const kernels::Dropout drop(p, seed);
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t o = 0; o < width; ++o) y[n * width + o] = drop.keep(0, 0, n, o) ? y[n * width + o] * drop.scale() : 0.0f;
+}
+
+template <typename T>
+View<const T> view_or_empty(const Tensor& t) {
+  return t.defined() ? t.view<T>() : View<const T>();
+}
+
+}  // namespace modules
+
+// Everything backward() reads, owned (the caller's buffers may change after forward returns).
+struct MhaTape::State {
+  const MultiHeadAttention* module = nullptr;
+  int64_t B = 0, Tq = 0, Tk = 0;
+  bool self = false;
+  std::vector<int64_t> query_shape, key_shape, value_shape, output_shape;
+  Tensor xq, xk, xv;        // input rows (xk, xv only when not self-attention)
+  Tensor qkv, kbuf, vbuf;   // projections: packed [q | k | v] rows (self), or q, k, v apart
+  Tensor merged;            // attention output, heads merged, before out_proj and dropout
+  Tensor lse;               // (B, Hq, Tq)
+  Tensor keep, bias, lengths;
+  AttentionOptions options;  // causal, window, dropout of the attention
+  uint64_t out_dropout_seed = 0;
+  float out_dropout = 0.0f;
+};
+
+}  // namespace mha
+
+#endif  // MHA_MODULES_MULTI_HEAD_ATTENTION_INTERNAL_H_

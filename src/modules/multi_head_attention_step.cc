@@ -1,0 +1,142 @@
+// MultiHeadAttention decoding: a KvCache per stream, step() for prefill and one token at a time.
+#include <algorithm>
+
+#include "mha/multi_head_attention.h"
+#include "modules/multi_head_attention_internal.h"
+#include "ops/attention_internal.h"
+#include "util/check.h"
+
+namespace mha {
+
+KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity) const {
+  KvCacheConfig k;
+  k.batch = batch;
+  k.kv_heads = config_.num_kv_heads;
+  k.head_dim_k = head_dim_qk();
+  k.head_dim_v = head_dim_v();
+  k.capacity = capacity;
+  k.window = config_.window;
+  return KvCache(k);
+}
+
+MhaOutput MultiHeadAttention::step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens) const {
+  const auto& c = config_;
+  const Dims d = dims();
+  const bool batch_first = c.batch_first;
+  MHA_CHECK(x.rank == 3 && x.shape[2] == c.embed_dim, "MultiHeadAttention::step: x must be {} with E = {}; got {}",
+            batch_first ? "(B, n, E)" : "(n, B, E)", c.embed_dim, shape_string(x));
+  MHA_CHECK(packed(), "MultiHeadAttention::step: decoding is self-attention; this module has kdim {} / vdim {} != {}",
+            c.kdim, c.vdim, c.embed_dim);
+  const int64_t B = x.shape[batch_first ? 0 : 1], n = x.shape[batch_first ? 1 : 0];
+  const KvCacheConfig& kc = cache.config();
+  MHA_CHECK(kc.batch == B && kc.kv_heads == c.num_kv_heads && kc.head_dim_k == head_dim_qk() &&
+                kc.head_dim_v == head_dim_v() && kc.window == c.window,
+            "MultiHeadAttention::step: the cache (batch {}, kv heads {}, head dims {}/{}, window {}) does not fit this "
+            "module and input (batch {}, kv heads {}, head dims {}/{}, window {}); use make_cache()",
+            kc.batch, kc.kv_heads, kc.head_dim_k, kc.head_dim_v, kc.window, B, c.num_kv_heads, head_dim_qk(),
+            head_dim_v(), c.window);
+  std::vector<int64_t> counts = new_tokens.empty() ? std::vector<int64_t>(static_cast<size_t>(B), n) : new_tokens;
+  MHA_CHECK(static_cast<int64_t>(counts.size()) == B, "MultiHeadAttention::step: {} new_tokens for a batch of {}",
+            counts.size(), B);
+  for (int64_t b = 0; b < B; ++b) {
+    MHA_CHECK(counts[b] >= 0 && counts[b] <= n, "MultiHeadAttention::step: new_tokens[{}] = {} outside [0, {}]", b,
+              counts[b], n);
+    if (c.max_seq_len > 0) {
+      MHA_CHECK(cache.length(b) + counts[b] <= c.max_seq_len,
+                "MultiHeadAttention::step: sequence {} would reach {} positions, beyond max_seq_len (block_size) = {}",
+                b, cache.length(b) + counts[b], c.max_seq_len);
+    }
+  }
+
+  // One GEMM for the new positions' q, k and v.
+  const int64_t N = B * n;
+  const int64_t Hkv = c.num_kv_heads, dqk = head_dim_qk(), dv = head_dim_v();
+  const modules::Rows xr = modules::contiguous_rows(x);
+  Tensor qkv(DType::kF32, {N, d.rows[0] + d.rows[1] + d.rows[2]});
+  project_qkv(xr.data, N, qkv.data<float>());
+  const modules::Layout l{B, n, batch_first};
+  const modules::QkvHeads heads = modules::qkv_heads(c, qkv.data<float>(), nullptr, nullptr, l, l);
+  const View<float>& qh = heads.q;
+  const View<float>& kh = heads.k;
+  const View<float>& vh = heads.v;
+
+  const int64_t out_width = output_dim();
+  const std::vector<int64_t> out_shape = output_shape(B, n);
+  Tensor merged = c.out_proj ? Tensor(DType::kF32, {N, c.v_dim}) : Tensor(DType::kF32, out_shape);
+  AttentionOutputs ao;
+  ao.out = modules::heads_view(merged.data<float>(), l, c.v_dim, c.num_heads, dv);
+  AttentionOptions opt;
+  opt.num_threads = num_threads_;
+  opt.backend = backend_;
+  Tensor lengths(DType::kI32, {B});
+  std::vector<int64_t> offsets(static_cast<size_t>(B));
+
+  const bool windowed = c.window > 0;
+  bool single = true;  // one new position per sequence: a windowed ring then holds exactly what it sees
+  for (int64_t b = 0; b < B; ++b) single &= counts[b] == 1;
+  if (!windowed || single) {
+    // Append first, then attend to the cache.
+    cache.append(kh, vh, counts);
+    for (int64_t b = 0; b < B; ++b) {
+      lengths.data<int32_t>()[b] = static_cast<int32_t>(cache.stored(b));
+      offsets[b] = cache.length(b) - counts[b];  // query i sits at position length - count + i
+    }
+    const AttentionInputs ai{qh, cache.keys(), cache.values(), {}, {}, lengths.view<int32_t>()};
+    if (windowed) {
+      attention(ai, ao, opt);  // the ring holds exactly the window: every stored key is visible
+    } else {
+      opt.causal = Causal::kBottomRight;
+      ops::attention_with_offsets(ai, ao, opt, offsets.data());
+    }
+  } else {
+    // A windowed chunk: its first query needs up to window-1 positions before the chunk, which
+    // the chunk's own append could overwrite in the ring. Gather them, in position order,
+    // followed by the chunk's keys; attend; then append.
+    const int64_t before = c.window - 1, T = before + n;
+    Tensor kt(DType::kF32, {B, Hkv, T, dqk}), vt(DType::kF32, {B, Hkv, T, dv});
+    const View<const float> ck = cache.keys(), cv = cache.values();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t L0 = cache.length(b), kept = std::min(L0, before);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        for (int64_t t = 0; t < kept; ++t) {
+          const int64_t slot = (L0 - kept + t) % c.window;
+          for (int64_t e = 0; e < dqk; ++e) kt.view<float>().at(b, h, t, e) = ck.at(b, h, slot, e);
+          for (int64_t e = 0; e < dv; ++e) vt.view<float>().at(b, h, t, e) = cv.at(b, h, slot, e);
+        }
+        for (int64_t t = 0; t < counts[b]; ++t) {
+          for (int64_t e = 0; e < dqk; ++e) kt.view<float>().at(b, h, kept + t, e) = kh.at(b, h, t, e);
+          for (int64_t e = 0; e < dv; ++e) vt.view<float>().at(b, h, kept + t, e) = vh.at(b, h, t, e);
+        }
+      }
+      lengths.data<int32_t>()[b] = static_cast<int32_t>(kept + counts[b]);
+      offsets[b] = kept;
+    }
+    opt.causal = Causal::kBottomRight;
+    opt.window = c.window;
+    const AttentionInputs ai{qh, kt.view<float>(), vt.view<float>(), {}, {}, lengths.view<int32_t>()};
+    ops::attention_with_offsets(ai, ao, opt, offsets.data());
+    cache.append(kh, vh, counts);
+  }
+
+  // Rows past new_tokens[b] are padding: zeros.
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = counts[b]; t < n; ++t) {
+      float* row = merged.data<float>() + (b * l.batch_rows() + t * l.time_rows()) * c.v_dim;
+      std::fill(row, row + c.v_dim, 0.0f);
+    }
+  MhaOutput result;
+  if (c.out_proj) {
+    result.output = Tensor(DType::kF32, out_shape);
+    project(kOut, merged.data<float>(), N, result.output.data<float>(), out_width);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = counts[b]; t < n; ++t) {
+        float* row = result.output.data<float>() + (b * l.batch_rows() + t * l.time_rows()) * out_width;
+        std::fill(row, row + out_width, 0.0f);
+      }
+  } else {
+    result.output = std::move(merged);
+  }
+  return result;
+}
+
+}  // namespace mha
