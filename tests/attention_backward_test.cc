@@ -233,8 +233,7 @@ TEST_P(BackwardTest, RandomProblems) {
       p.in.bias = p.bias.view<float>();
     }
     if (rng.coin(0.3)) {
-      p.lengths = Tensor(DType::kI32, {p.B});
-      for (int64_t b = 0; b < p.B; ++b) p.lengths.data<int32_t>()[b] = static_cast<int32_t>(rng.range(0, p.Tk));
+      p.lengths = random_lengths(rng, p.B, p.Tk);
       p.in.key_lengths = p.lengths.view<int32_t>();
     }
     p.opt.causal = static_cast<Causal>(rng.range(0, 2));
