@@ -128,11 +128,12 @@ double time_mha_module(const ModuleCase& c, int threads, double seconds) {
   config.embed_dim = c.E;
   config.num_heads = c.H;
   MultiHeadAttention m(config, 1);
-  m.set_num_threads(threads);
+  MhaCallOptions options;
+  options.num_threads = threads;
   const Tensor x = filled({c.B, c.T, c.E}, 1.0f);
   MhaInputs in;
   in.query = x.view<float>();
-  return time_calls([&] { m.forward(in); }, seconds);
+  return time_calls([&] { m.forward(in, options); }, seconds);
 }
 
 namespace {
@@ -269,17 +270,18 @@ double time_mha_module_train(const ModuleCase& c, int threads, double seconds) {
   config.embed_dim = c.E;
   config.num_heads = c.H;
   MultiHeadAttention m(config, 1);
-  m.set_num_threads(threads);
-  m.train();
+  MhaCallOptions options;
+  options.num_threads = threads;
+  options.training = true;
   const Tensor x = filled({c.B, c.T, c.E}, 1.0f), r = filled({c.B, c.T, c.E}, 1.0f);
   MhaInputs in;
   in.query = x.view<float>();
-  MhaGrads grads = m.make_grads();
+  MhaParamGrads grads = m.make_grads();
   return time_calls(
       [&] {
         MhaTape tape;
-        m.forward(in, &tape);
-        m.backward(tape, r.view<float>(), &grads);
+        m.forward(in, options, &tape);
+        m.backward(tape, r.view<float>(), &grads, options);
       },
       seconds);
 }

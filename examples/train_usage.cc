@@ -1,5 +1,5 @@
 // Training one MultiHeadAttention layer: forward records a tape, backward takes dL/d output and
-// adds the parameters' gradients into MhaGrads, Adam updates the weights. Built and run by the
+// adds the parameters' gradients into MhaParamGrads, Adam updates the weights. Built and run by the
 // test suite.
 #include <cstdio>
 
@@ -12,9 +12,10 @@ int main() {
   config.num_heads = 4;
   config.causal = mha::Causal::kTopLeft;
   mha::MultiHeadAttention attn(config, /*seed=*/1);
-  attn.train();  // dropout (none configured here) applies in training mode only
+  mha::MhaCallOptions training;
+  training.training = true;  // dropout (none configured here) applies in training calls only
 
-  mha::MhaGrads grads = attn.make_grads();
+  mha::MhaParamGrads grads = attn.make_grads();
   mha::AdamOptions adam_options;
   adam_options.lr = 1e-2f;
   mha::Adam adam(attn.parameters(&grads), adam_options);
@@ -32,7 +33,7 @@ int main() {
   for (int step = 0; step < 100; ++step) {
     adam.zero_grad();
     mha::MhaTape tape;
-    const mha::Tensor y = attn.forward(in, &tape).output;
+    const mha::Tensor y = attn.forward(in, training, &tape).output;
     mha::Tensor dy = mha::Tensor::zeros({B, T, E});  // dL/dy of L = mean((y - target)^2)
     double loss = 0;
     for (int64_t i = 0; i < n; ++i) {

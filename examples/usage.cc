@@ -8,8 +8,8 @@ int main() {
   mha::MultiHeadAttentionConfig config;
   config.embed_dim = 768;
   config.num_heads = 8;
-  config.causal = mha::Causal::kTopLeft;  // j <= i, as seed 000's tril mask
-  config.max_seq_len = 10;                // seed 000's block_size
+  config.causal = mha::Causal::kTopLeft;  // j <= i, as GPT's tril mask
+  config.max_seq_len = 10;                // GPT's block_size
   mha::MultiHeadAttention attn(config, /*seed=*/42);
 
   mha::Tensor x = mha::Tensor::zeros({10, 10, 768});  // (B, T, E)
@@ -17,8 +17,9 @@ int main() {
 
   mha::MhaInputs in;
   in.query = x.view<float>();  // no key/value: self-attention, one packed QKV GEMM
-  in.need_weights = true;      // averaged over heads: (B, T, T)
-  mha::MhaOutput out = attn.forward(in);
+  mha::MhaCallOptions options;  // this call's settings: the module holds none
+  options.need_weights = true;  // averaged over heads: (B, T, T)
+  mha::MhaOutputs out = attn.forward(in, options);
   std::printf("output (%lld, %lld, %lld), weights (%lld, %lld, %lld)\n",
               static_cast<long long>(out.output.shape()[0]), static_cast<long long>(out.output.shape()[1]),
               static_cast<long long>(out.output.shape()[2]), static_cast<long long>(out.weights.shape()[0]),

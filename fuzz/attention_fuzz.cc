@@ -14,7 +14,7 @@
 #include "kernels/ref/attention_ref.h"
 #include "mha/attention.h"
 #include "mha/safetensors.h"
-#include "ops/attention_params.h"
+#include "ops/attention_checks.h"
 
 namespace {
 
@@ -78,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (in.flag()) {
     bias = Tensor(mha::DType::kF32, broadcast_shape(in, full));
     for (int64_t i = 0; i < bias.numel(); ++i) bias.data<float>()[i] = rng.next();
-    ai.bias = bias.view<float>();
+    ai.attn_bias = bias.view<float>();
   }
   if (in.flag()) {
     lengths = Tensor(mha::DType::kI32, {B});
@@ -160,7 +160,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::fprintf(stderr, "non-finite mismatch at [%ld]: fast %g ref %g (B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld D=%ld "
                      "Dv=%ld causal=%d window=%ld p=%g keep=%d bias=%d lengths=%d weights=%d)\n", (long)i, x, y,
                      (long)B, (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal,
-                     (long)opt.window, opt.dropout_p, ai.keep_mask.given(), ai.bias.given(), ai.key_lengths.given(),
+                     (long)opt.window, opt.dropout_p, ai.keep_mask.given(), ai.attn_bias.given(), ai.key_lengths.given(),
                      weights);
         if (std::getenv("MHA_FUZZ_VERBOSE")) {
           const int64_t w = r.shape().back(), row = i / w;
@@ -180,7 +180,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::fprintf(stderr, "bound: fast %.3g plain %.3g derived %.3g scale %.3g (B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld "
                    "D=%ld Dv=%ld causal=%d window=%ld p=%g keep=%d bias=%d lengths=%d)\n", ef, ep, derived, scale,
                    (long)B, (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal,
-                   (long)opt.window, opt.dropout_p, ai.keep_mask.given(), ai.bias.given(), ai.key_lengths.given());
+                   (long)opt.window, opt.dropout_p, ai.keep_mask.given(), ai.attn_bias.given(), ai.key_lengths.given());
       dump_inputs();
       __builtin_trap();
     }

@@ -108,7 +108,7 @@ AttentionInputs inputs_of(const In& q, const In& k, const In& v, const std::opti
   in.key = view_of<const float>(k, "key");
   in.value = view_of<const float>(v, "value");
   in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
-  in.bias = optional_view<const float>(bias, "attn_mask");
+  in.attn_bias = optional_view<const float>(bias, "attn_mask");
   in.key_lengths = optional_view<const int32_t>(key_lengths, "key_lengths");
   return in;
 }
@@ -133,7 +133,7 @@ void attention_backward_py(const In& q, const In& k, const In& v, const In& out,
                            std::optional<float> scale, int causal, int64_t window, float dropout_p,
                            uint64_t dropout_seed, int num_threads, const std::string& backend) {
   const AttentionInputs in = inputs_of(q, k, v, keep_mask, bias, key_lengths);
-  const AttentionGrads g{view_of<float>(dq, "grad_query"), view_of<float>(dk, "grad_key"), view_of<float>(dv, "grad_value")};
+  const AttentionInputGrads g{view_of<float>(dq, "grad_query"), view_of<float>(dk, "grad_key"), view_of<float>(dv, "grad_value")};
   const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend);
   const View<const float> o = view_of<const float>(out, "out"), l = view_of<const float>(lse, "lse");
   const View<const float> go = view_of<const float>(grad_out, "grad_out");
@@ -164,7 +164,7 @@ struct PyMha {
 };
 
 MultiHeadAttentionConfig config_of(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
-                                   int64_t qk_dim, int64_t v_dim, int64_t out_dim, bool bias, bool out_proj,
+                                   int64_t qk_proj_dim, int64_t v_proj_dim, int64_t out_dim, bool bias, bool out_proj,
                                    float attn_dropout, float out_dropout, int causal, int64_t window,
                                    int64_t max_seq_len, bool batch_first) {
   MultiHeadAttentionConfig c;
@@ -173,8 +173,8 @@ MultiHeadAttentionConfig config_of(int64_t embed_dim, int64_t num_heads, int64_t
   c.num_kv_heads = num_kv_heads;
   c.kdim = kdim;
   c.vdim = vdim;
-  c.qk_dim = qk_dim;
-  c.v_dim = v_dim;
+  c.qk_proj_dim = qk_proj_dim;
+  c.v_proj_dim = v_proj_dim;
   c.out_dim = out_dim;
   c.bias = bias;
   c.out_proj = out_proj;
@@ -194,8 +194,8 @@ nb::dict config_dict(const MultiHeadAttentionConfig& c, const MultiHeadAttention
   d["num_kv_heads"] = c.num_kv_heads;
   d["kdim"] = c.kdim;
   d["vdim"] = c.vdim;
-  d["qk_dim"] = c.qk_dim;
-  d["v_dim"] = c.v_dim;
+  d["qk_proj_dim"] = c.qk_proj_dim;
+  d["v_proj_dim"] = c.v_proj_dim;
   d["out_dim"] = m.output_dim();
   d["bias"] = c.bias;
   d["out_proj"] = c.out_proj;
@@ -241,16 +241,16 @@ NB_MODULE(_mha, m) {
       .def(
           "__init__",
           [](PyMha* self, int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
-             int64_t qk_dim, int64_t v_dim, int64_t out_dim, bool bias, bool out_proj, float attn_dropout,
+             int64_t qk_proj_dim, int64_t v_proj_dim, int64_t out_dim, bool bias, bool out_proj, float attn_dropout,
              float out_dropout, int causal, int64_t window, int64_t max_seq_len, bool batch_first, uint64_t seed) {
-            new (self) PyMha{MultiHeadAttention(config_of(embed_dim, num_heads, num_kv_heads, kdim, vdim, qk_dim, v_dim,
+            new (self) PyMha{MultiHeadAttention(config_of(embed_dim, num_heads, num_kv_heads, kdim, vdim, qk_proj_dim, v_proj_dim,
                                                           out_dim, bias, out_proj, attn_dropout, out_dropout, causal,
                                                           window, max_seq_len, batch_first),
                                                 seed),
                              "", {}};
           },
           nb::arg("embed_dim"), nb::arg("num_heads"), nb::arg("num_kv_heads") = 0, nb::arg("kdim") = 0,
-          nb::arg("vdim") = 0, nb::arg("qk_dim") = 0, nb::arg("v_dim") = 0, nb::arg("out_dim") = 0,
+          nb::arg("vdim") = 0, nb::arg("qk_proj_dim") = 0, nb::arg("v_proj_dim") = 0, nb::arg("out_dim") = 0,
           nb::arg("bias") = true, nb::arg("out_proj") = true, nb::arg("attn_dropout") = 0.0f,
           nb::arg("out_dropout") = 0.0f, nb::arg("causal") = 0, nb::arg("window") = 0, nb::arg("max_seq_len") = 0,
           nb::arg("batch_first") = true, nb::arg("seed") = 0)
@@ -291,10 +291,11 @@ NB_MODULE(_mha, m) {
       .def_prop_ro("config", [](const PyMha& self) { return config_dict(self.m.config(), self.m); })
       .def(
           "forward",
-          [](PyMha& self, const In& query, const std::optional<In>& key, const std::optional<In>& value,
+          [](const PyMha& self, const In& query, const std::optional<In>& key, const std::optional<In>& value,
              const std::optional<In>& keep_mask, const std::optional<In>& attn_bias,
              const std::optional<In>& key_padding_mask, bool need_weights, bool average_weights, bool training,
-             std::optional<uint64_t> dropout_seed, int num_threads, const std::string& backend) {
+             std::optional<int> causal, std::optional<uint64_t> dropout_seed, int num_threads,
+             const std::string& backend) {
             MhaInputs in;
             in.query = view_of<const float>(query, "query");
             in.key = optional_view<const float>(key, "key");
@@ -302,16 +303,19 @@ NB_MODULE(_mha, m) {
             in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
             in.attn_bias = optional_view<const float>(attn_bias, "attn_mask");
             in.key_padding_mask = optional_view<const uint8_t>(key_padding_mask, "key_padding_mask");
-            in.need_weights = need_weights;
-            in.average_weights = average_weights;
-            in.dropout_seed = dropout_seed;
-            self.m.train(training);
-            self.m.set_num_threads(num_threads);
-            self.m.set_backend(backend_of(backend));
-            MhaOutput r;
+            // Every setting travels with the call: the module is shared, never changed here.
+            MhaCallOptions options;
+            options.need_weights = need_weights;
+            options.average_weights = average_weights;
+            options.training = training;
+            if (causal) options.causal = causal_of(*causal);
+            options.dropout_seed = dropout_seed;
+            options.num_threads = num_threads;
+            options.backend = backend_of(backend);
+            MhaOutputs r;
             {
               nb::gil_scoped_release release;
-              r = self.m.forward(in);
+              r = self.m.forward(in, options);
             }
             nb::object weights = need_weights ? nb::cast(to_numpy(std::move(r.weights))) : nb::none();
             return std::make_tuple(to_numpy(std::move(r.output)), weights);
@@ -319,7 +323,7 @@ NB_MODULE(_mha, m) {
           nb::arg("query"), nb::arg("key").none() = nb::none(), nb::arg("value").none() = nb::none(),
           nb::arg("keep_mask").none() = nb::none(), nb::arg("attn_bias").none() = nb::none(),
           nb::arg("key_padding_mask").none() = nb::none(), nb::arg("need_weights") = false,
-          nb::arg("average_weights") = true, nb::arg("training") = false,
+          nb::arg("average_weights") = true, nb::arg("training") = false, nb::arg("causal").none() = nb::none(),
           nb::arg("dropout_seed").none() = nb::none(), nb::arg("num_threads") = 0, nb::arg("backend") = "auto")
       .def(
           "make_cache",
@@ -327,12 +331,13 @@ NB_MODULE(_mha, m) {
           nb::arg("batch"), nb::arg("capacity") = 0)
       .def(
           "step",
-          [](PyMha& self, const In& x, KvCache& cache, const std::vector<int64_t>& new_tokens, int num_threads) {
-            self.m.set_num_threads(num_threads);
-            MhaOutput r;
+          [](const PyMha& self, const In& x, KvCache& cache, const std::vector<int64_t>& new_tokens, int num_threads) {
+            MhaCallOptions options;
+            options.num_threads = num_threads;
+            MhaOutputs r;
             {
               nb::gil_scoped_release release;
-              r = self.m.step(view_of<const float>(x, "x"), cache, new_tokens);
+              r = self.m.step(view_of<const float>(x, "x"), cache, new_tokens, options);
             }
             return to_numpy(std::move(r.output));
           },

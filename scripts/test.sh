@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test — the one command CI runs (.ci/run):
 #   1. the GoogleTest suite and the README examples (Release)
-#   2. the Python package: `pip install .` into a virtual environment that sees Debian's
-#      python3-torch, then the pytest/hypothesis differential tests against torch
+#   2. the Python package: `pip install .` into the cached virtual environment of
+#      scripts/py-env.sh (PyPI's torch 2.x), then the pytest/hypothesis differential tests
+#      against torch 2.x
 #   3. the C++ suite under AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer)
 #   4. the C++ suite under ThreadSanitizer (clang, LLVM OpenMP with the Archer tool)
 #   5. each libFuzzer target for a short, bounded time on its committed corpus
@@ -32,12 +33,12 @@ run_ctest() {
   return $status
 }
 
-# Installs the package into build/py-venv and runs tests/python, adding to the totals.
+# Installs the package into the cached torch 2.x environment and runs tests/python, adding to
+# the totals.
 run_python() {
-  scripts/deps.sh python3-dev python3-venv python3-numpy python3-torch python3-pytest python3-hypothesis
-  local venv=build/py-venv
-  [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv --system-site-packages "$venv"
-  if ! "$venv/bin/pip" install -q .; then
+  local venv
+  venv=$(scripts/py-env.sh)
+  if ! "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall .; then
     echo "python: pip install . FAILED"
     failed=$((failed + 1))
     return 1

@@ -10,7 +10,7 @@
 #include "kernels/dropout.h"
 #include "kernels/ref/attention_bwd_ref.h"
 #include "mha/attention.h"
-#include "ops/attention_params.h"
+#include "ops/attention_checks.h"
 #include "test_util.h"
 
 namespace mha::test {
@@ -43,7 +43,7 @@ struct Problem {
     std::snprintf(buf, sizeof buf, "B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld D=%ld Dv=%ld causal=%d window=%ld p=%g", (long)B,
                   (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal, (long)opt.window,
                   opt.dropout_p);
-    return buf + std::string(in.keep_mask.given() ? " keep" : "") + (in.bias.given() ? " bias" : "") +
+    return buf + std::string(in.keep_mask.given() ? " keep" : "") + (in.attn_bias.given() ? " bias" : "") +
            (in.key_lengths.given() ? " lengths" : "");
   }
 };
@@ -53,7 +53,7 @@ struct Grads {
   explicit Grads(const Problem& p)
       : dq(DType::kF32, {p.B, p.Hq, p.Tq, p.D}), dk(DType::kF32, {p.B, p.Hkv, p.Tk, p.D}),
         dv(DType::kF32, {p.B, p.Hkv, p.Tk, p.Dv}) {}
-  AttentionGrads views() { return {dq.view<float>(), dk.view<float>(), dv.view<float>()}; }
+  AttentionInputGrads views() { return {dq.view<float>(), dk.view<float>(), dv.view<float>()}; }
 };
 
 // Forward (to get out and lse) then backward on one backend.
@@ -130,7 +130,7 @@ TEST(AttentionBackward, ReferenceMatchesFiniteDifferences) {
     }
     if (trial % 3 == 2) {
       p.bias = random_tensor(rng, {p.Hq, p.Tq, p.Tk});
-      p.in.bias = p.bias.view<float>();
+      p.in.attn_bias = p.bias.view<float>();
     }
     p.opt.causal = static_cast<Causal>(trial % 3);
     if (trial % 4 == 3) p.opt.dropout_p = 0.3f, p.opt.dropout_seed = 11;
@@ -230,7 +230,7 @@ TEST_P(BackwardTest, RandomProblems) {
     }
     if (rng.coin(0.3)) {
       p.bias = random_tensor(rng, {p.Hq, p.Tq, p.Tk});
-      p.in.bias = p.bias.view<float>();
+      p.in.attn_bias = p.bias.view<float>();
     }
     if (rng.coin(0.3)) {
       p.lengths = random_lengths(rng, p.B, p.Tk);

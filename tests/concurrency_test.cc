@@ -19,25 +19,32 @@ TEST(Concurrency, ManyThreadsShareOneModule) {
   c.num_kv_heads = 2;
   c.causal = Causal::kBottomRight;
   c.attn_dropout = 0.2f;
-  MultiHeadAttention m(c, 3);
-  m.train();  // dropout on, with explicit seeds so that calls are reproducible
-  constexpr int kThreads = 8, kCalls = 4;
+  const MultiHeadAttention m(c, 3);
+  constexpr int kThreads = 8, kCalls = 6;
   Rng rng(base_seed());
   std::vector<Tensor> inputs;
   for (int t = 0; t < kThreads; ++t) inputs.push_back(random_tensor(rng, {2, 40 + 7 * t, 64}));
+  // Each call its own settings: training (dropout, explicitly seeded) or evaluation, weights or
+  // not, causal or not, the reference or the fast backend, 1 or 2 threads.
   auto call = [&](int t, int k) {
     MhaInputs in;
     in.query = inputs[t].view<float>();
-    in.need_weights = k % 2 == 1;
-    in.dropout_seed = static_cast<uint64_t>(100 * t + k);
-    return m.forward(in);
+    MhaCallOptions o;
+    o.training = (t + k) % 2 == 0;
+    o.need_weights = k % 2 == 1;
+    o.average_weights = k % 4 == 1;
+    if (k % 3 == 2) o.causal = Causal::kNone;
+    o.backend = t == 5 ? Backend::kReference : Backend::kAuto;
+    o.num_threads = 1 + k % 2;
+    o.dropout_seed = static_cast<uint64_t>(100 * t + k);
+    return m.forward(in, o);
   };
   // Serial results first.
-  std::vector<std::vector<MhaOutput>> serial(kThreads);
+  std::vector<std::vector<MhaOutputs>> serial(kThreads);
   for (int t = 0; t < kThreads; ++t)
     for (int k = 0; k < kCalls; ++k) serial[t].push_back(call(t, k));
   // Then all threads at once, each with its inner parallelism on too.
-  std::vector<std::vector<MhaOutput>> concurrent(kThreads);
+  std::vector<std::vector<MhaOutputs>> concurrent(kThreads);
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {

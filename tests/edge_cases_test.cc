@@ -129,8 +129,9 @@ TEST(EdgeCases, SmallestAndEmptyShapes) {
   Tensor x(DType::kF32, {0, 5, 8});
   MhaInputs in;
   in.query = x.view<float>();
-  in.need_weights = true;
-  const MhaOutput out = m.forward(in);
+  MhaCallOptions weights;
+  weights.need_weights = true;
+  const MhaOutputs out = m.forward(in, weights);
   EXPECT_EQ(out.output.shape(), (std::vector<int64_t>{0, 5, 8}));
   EXPECT_EQ(out.weights.shape(), (std::vector<int64_t>{0, 5, 5}));
 }
@@ -148,8 +149,9 @@ TEST(EdgeCases, AllocationFailureIsAnErrorAndTheModuleStaysUsable) {
   const View<const float> huge(tiny.data<float>(), {1, int64_t{1} << 20, 8}, {0, 0, 1});
   MhaInputs in;
   in.query = huge;
-  in.need_weights = true;
-  EXPECT_THROW(m.forward(in), Error);
+  MhaCallOptions weights;
+  weights.need_weights = true;
+  EXPECT_THROW(m.forward(in, weights), Error);
   EXPECT_TRUE(bitwise_equal(m.forward(ok).output, before));
 }
 

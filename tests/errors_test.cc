@@ -82,9 +82,9 @@ TEST(AttentionErrors, Masks) {
   expect_error([&] { b.run(); }, {"keep_mask", "(5, 7)", "(2, 4, 5, 6)"});
   b.in.keep_mask = {};
   Tensor bias(DType::kF32, {3, 1, 1, 6});
-  b.in.bias = bias.view<float>();
+  b.in.attn_bias = bias.view<float>();
   expect_error([&] { b.run(); }, {"bias", "(3, 1, 1, 6)", "broadcast"});
-  b.in.bias = {};
+  b.in.attn_bias = {};
   Tensor len(DType::kI32, {3});
   b.in.key_lengths = len.view<int32_t>();
   expect_error([&] { b.run(); }, {"key_lengths", "(2,)", "(3,)"});
@@ -163,13 +163,13 @@ MultiHeadAttentionConfig config(int64_t E, int64_t H) {
 }
 
 TEST(ModuleErrors, Configuration) {
-  expect_error([] { MultiHeadAttention m(config(30, 4)); }, {"qk_dim", "30", "num_heads = 4"});
+  expect_error([] { MultiHeadAttention m(config(30, 4)); }, {"qk_proj_dim", "30", "num_heads = 4"});
   auto c = config(32, 4);
   c.num_kv_heads = 3;
   expect_error([&] { MultiHeadAttention m(c); }, {"num_kv_heads = 3", "num_heads = 4"});
   c = config(32, 4);
-  c.v_dim = 30;
-  expect_error([&] { MultiHeadAttention m(c); }, {"v_dim", "30"});
+  c.v_proj_dim = 30;
+  expect_error([&] { MultiHeadAttention m(c); }, {"v_proj_dim", "30"});
   expect_error([] { MultiHeadAttention m(config(0, 4)); }, {"embed_dim", "0"});
   c = config(32, 4);
   c.attn_dropout = -0.1f;

@@ -12,7 +12,7 @@
 #include "kernels/workspace.h"
 #include "kernels/ref/attention_ref.h"
 #include "mha/attention.h"
-#include "ops/attention_params.h"
+#include "ops/attention_checks.h"
 #include "test_util.h"
 
 namespace mha::test {
@@ -55,7 +55,7 @@ struct Problem {
     std::snprintf(buf, sizeof buf, "B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld D=%ld Dv=%ld causal=%d window=%ld drop=%g",
                   (long)B, (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal,
                   (long)opt.window, opt.dropout_p);
-    return buf + std::string(in.keep_mask.given() ? " keep" : "") + (in.bias.given() ? " bias" : "") +
+    return buf + std::string(in.keep_mask.given() ? " keep" : "") + (in.attn_bias.given() ? " bias" : "") +
            (in.key_lengths.given() ? " lengths" : "") + (bthd ? " bthd" : "");
   }
 };
@@ -200,7 +200,7 @@ TEST_P(FlashTest, MasksWithFullyMaskedRowsAndBlocks) {
   p.in.keep_mask = p.keep.view<uint8_t>();
   check(p, 4);
   p.bias = random_tensor(rng, {p.Hq, 1, p.Tk});
-  p.in.bias = p.bias.view<float>();
+  p.in.attn_bias = p.bias.view<float>();
   p.lengths = Tensor(DType::kI32, {p.B});
   p.lengths.data<int32_t>()[0] = 150;
   p.lengths.data<int32_t>()[1] = 0;  // batch 1: every row fully masked
@@ -245,7 +245,7 @@ TEST_P(FlashTest, RandomProblems) {
     }
     if (rng.coin(0.3)) {
       p.bias = random_tensor(rng, bshape());
-      p.in.bias = p.bias.view<float>();
+      p.in.attn_bias = p.bias.view<float>();
     }
     if (rng.coin(0.3)) {
       p.lengths = random_lengths(rng, p.B, p.Tk);

@@ -108,7 +108,7 @@ TEST(KvCache, GrowsByDoublingAndWindowsWrap) {
   KvCacheConfig c;
   c.batch = 1;
   c.kv_heads = 1;
-  c.head_dim_k = c.head_dim_v = 2;
+  c.head_dim_qk = c.head_dim_v = 2;
   c.capacity = 2;
   KvCache grow(c);
   Tensor k(DType::kF32, {1, 1, 1, 2});
@@ -135,7 +135,7 @@ TEST(KvCache, MismatchedCacheIsAnError) {
   KvCacheConfig c;
   c.batch = 1;
   c.kv_heads = 4;  // the module has 2
-  c.head_dim_k = c.head_dim_v = 4;
+  c.head_dim_qk = c.head_dim_v = 4;
   KvCache wrong(c);
   Tensor x(DType::kF32, {1, 1, 16});
   EXPECT_THROW(m.step(x.view<float>(), wrong), Error);

@@ -75,8 +75,8 @@ TEST(ModuleBackward, MatchesTorchAutogradOnTheParityCases) {
     if (get("key_padding_mask")) mi.key_padding_mask = get("key_padding_mask")->view<uint8_t>();
 
     MhaTape tape;
-    m.forward(mi, &tape);
-    MhaGrads grads = m.make_grads();
+    m.forward(mi, {}, &tape);
+    MhaParamGrads grads = m.make_grads();
     const MhaInputGrads ig = m.backward(tape, want.tensors.at("grad_output").view<float>(), &grads);
 
     double err = 0;
@@ -180,7 +180,7 @@ std::vector<FdCase> fd_cases() {
   }
   {
     FdCase c{"seed 003 layout: no bias, no out_proj, dim_k != dim_v", base(8, 2)};
-    c.config.bias = false, c.config.out_proj = false, c.config.qk_dim = 12, c.config.v_dim = 6;
+    c.config.bias = false, c.config.out_proj = false, c.config.qk_proj_dim = 12, c.config.v_proj_dim = 6;
     cases.push_back(c);
   }
   {
@@ -209,8 +209,13 @@ struct FdProblem {
     if (keep.defined()) in.keep_mask = keep.view<uint8_t>();
     if (bias.defined()) in.attn_bias = bias.view<float>();
     if (lengths.defined()) in.key_lengths = lengths.view<int32_t>();
-    in.dropout_seed = 1234;  // the same dropout draws on every forward
     return in;
+  }
+  MhaCallOptions options(const FdCase& c) const {
+    MhaCallOptions o;
+    o.training = c.training;
+    o.dropout_seed = 1234;  // the same dropout draws on every forward
+    return o;
   }
 };
 
@@ -219,7 +224,6 @@ TEST(ModuleBackward, MatchesFiniteDifferences) {
   for (const FdCase& fc : fd_cases()) {
     SCOPED_TRACE(fc.name);
     MultiHeadAttention m(fc.config, 5);
-    m.train(fc.training);
     const auto& c = m.config();
     auto shape = [&](int64_t T, int64_t E) {
       return c.batch_first ? std::vector<int64_t>{fc.B, T, E} : std::vector<int64_t>{T, fc.B, E};
@@ -243,16 +247,17 @@ TEST(ModuleBackward, MatchesFiniteDifferences) {
     p.r = random_tensor(rng, shape(fc.Tq, m.output_dim()));
 
     const MhaInputs in = p.inputs(fc);
+    MhaCallOptions options = p.options(fc);
     MhaTape tape;
-    m.forward(in, &tape);
-    MhaGrads grads = m.make_grads();
+    m.forward(in, options, &tape);
+    MhaParamGrads grads = m.make_grads();
     MhaInputGrads ig = m.backward(tape, p.r.view<float>(), &grads);
 
     // The loss in double from the plain reference forward: smooth enough for differences of
     // float outputs. Rounding of the loss is ~1e-7 |loss| per evaluation, so h = 1e-2 gives an
     // error ~1e-5 relative plus h² truncation ~1e-4: the check is on 1e-3 of the largest entry (observed: <= 1e-4).
-    m.set_backend(Backend::kReference);
-    auto loss = [&] { return sum_product(m.forward(in).output, p.r); };
+    options.backend = Backend::kReference;
+    auto loss = [&] { return sum_product(m.forward(in, options).output, p.r); };
     constexpr float h = 1e-2f;
     double worst = 0;
     const std::vector<Parameter> params = m.parameters(&grads);
@@ -297,13 +302,14 @@ TEST(ModuleBackward, FastAndReferencePathsAgree) {
   const Tensor x = random_tensor(rng, {2, 70, 64}), r = random_tensor(rng, {2, 70, 64});
   MhaInputs in;
   in.query = x.view<float>();
-  MhaGrads fast = m.make_grads(), ref = m.make_grads();
+  MhaParamGrads fast = m.make_grads(), ref = m.make_grads();
   MhaTape tape;
-  m.forward(in, &tape);
+  m.forward(in, {}, &tape);
   const Tensor dx_fast = std::move(m.backward(tape, r.view<float>(), &fast).query);
-  m.set_backend(Backend::kReference);
-  m.forward(in, &tape);
-  const Tensor dx_ref = std::move(m.backward(tape, r.view<float>(), &ref).query);
+  MhaCallOptions reference;
+  reference.backend = Backend::kReference;
+  m.forward(in, reference, &tape);
+  const Tensor dx_ref = std::move(m.backward(tape, r.view<float>(), &ref, reference).query);
   EXPECT_LE(rel_error(dx_fast.view<float>(), dx_ref.view<float>()), 1e-5);
   const auto pf = m.parameters(&fast), pr = m.parameters(&ref);
   for (size_t i = 0; i < pf.size(); ++i) {
@@ -327,15 +333,16 @@ TEST(ModuleBackward, SameBitsForOneAndTwoThreads) {
   std::vector<Tensor> results[2];
   for (int threads : {1, 2}) {
     MultiHeadAttention m(c, 4);
-    m.train();
-    m.set_num_threads(threads);
+    MhaCallOptions options;
+    options.training = true;
+    options.num_threads = threads;
+    options.dropout_seed = 99;
     MhaInputs in;
     in.query = x.view<float>();
-    in.dropout_seed = 99;
     MhaTape tape;
-    m.forward(in, &tape);
-    MhaGrads g = m.make_grads();
-    Tensor dx = std::move(m.backward(tape, r.view<float>(), &g).query);
+    m.forward(in, options, &tape);
+    MhaParamGrads g = m.make_grads();
+    Tensor dx = std::move(m.backward(tape, r.view<float>(), &g, options).query);
     auto& out = results[threads - 1];
     out.push_back(std::move(dx));
     for (Tensor* t : {&g.in_weight, &g.in_bias, &g.out_weight, &g.out_bias}) out.push_back(std::move(*t));
@@ -353,8 +360,8 @@ TEST(ModuleBackward, GradientsAccumulateUntilZeroed) {
   MhaInputs in;
   in.query = x.view<float>();
   MhaTape tape;
-  m.forward(in, &tape);
-  MhaGrads g = m.make_grads();
+  m.forward(in, {}, &tape);
+  MhaParamGrads g = m.make_grads();
   m.backward(tape, r.view<float>(), &g);
   const Tensor once = g.in_weight.clone();
   m.backward(tape, r.view<float>(), &g);
@@ -376,11 +383,11 @@ TEST(ModuleBackward, BadArgumentsAreErrors) {
   const Tensor x = random_tensor(rng, {1, 5, 16}), r = random_tensor(rng, {1, 5, 16}), bad = random_tensor(rng, {1, 4, 16});
   MhaInputs in;
   in.query = x.view<float>();
-  MhaGrads g = m.make_grads(), g_small = small.make_grads();
+  MhaParamGrads g = m.make_grads(), g_small = small.make_grads();
   MhaTape empty;
   EXPECT_THROW(m.backward(empty, r.view<float>(), &g), Error);
   MhaTape tape;
-  m.forward(in, &tape);
+  m.forward(in, {}, &tape);
   EXPECT_THROW(other.backward(tape, r.view<float>(), &g), Error);
   EXPECT_THROW(m.backward(tape, r.view<float>(), &g_small), Error);
   EXPECT_THROW(m.backward(tape, r.view<float>(), nullptr), Error);

@@ -14,11 +14,11 @@ MultiHeadAttentionConfig cfg(int64_t E, int64_t H) {
   return c;
 }
 
-Tensor run(const MultiHeadAttention& m, const Tensor& q, const Tensor* kv = nullptr) {
+Tensor run(const MultiHeadAttention& m, const Tensor& q, const Tensor* kv = nullptr, const MhaCallOptions& options = {}) {
   MhaInputs in;
   in.query = q.view<float>();
   if (kv) in.key = in.value = kv->view<float>();
-  return m.forward(in).output;
+  return m.forward(in, options).output;
 }
 
 TEST(Module, PackedSelfAttentionEqualsTheCrossAttentionPath) {
@@ -96,17 +96,18 @@ TEST(Module, SameBitsForOneAndTwoThreads) {
   c.attn_dropout = 0.2f;
   c.out_dropout = 0.1f;
   MultiHeadAttention m(c, 31);
-  m.train();
   Rng rng(base_seed() + 4);
   const Tensor x = random_tensor(rng, {3, 300, 64});  // several GEMM tiles
   MhaInputs in;
   in.query = x.view<float>();
-  in.dropout_seed = 99;
-  in.need_weights = true;
-  m.set_num_threads(1);
-  const MhaOutput a = m.forward(in);
-  m.set_num_threads(2);
-  const MhaOutput b = m.forward(in);
+  MhaCallOptions options;
+  options.training = true;
+  options.dropout_seed = 99;
+  options.need_weights = true;
+  options.num_threads = 1;
+  const MhaOutputs a = m.forward(in, options);
+  options.num_threads = 2;
+  const MhaOutputs b = m.forward(in, options);
   EXPECT_TRUE(bitwise_equal(a.output, b.output));
   EXPECT_TRUE(bitwise_equal(a.weights, b.weights));
 }
@@ -122,27 +123,47 @@ TEST(Module, DropoutOnlyInTrainingAndSeeded) {
   in.query = x.view<float>();
   const Tensor eval1 = m.forward(in).output, eval2 = m.forward(in).output;
   EXPECT_TRUE(bitwise_equal(eval1, eval2));
-  m.train();
-  in.dropout_seed = 1;
-  const Tensor t1 = m.forward(in).output, t1b = m.forward(in).output;
-  in.dropout_seed = 2;
-  const Tensor t2 = m.forward(in).output;
+  MhaCallOptions train;
+  train.training = true;
+  train.dropout_seed = 1;
+  const Tensor t1 = m.forward(in, train).output, t1b = m.forward(in, train).output;
+  train.dropout_seed = 2;
+  const Tensor t2 = m.forward(in, train).output;
   EXPECT_TRUE(bitwise_equal(t1, t1b));
   EXPECT_FALSE(bitwise_equal(t1, t2));
   EXPECT_FALSE(bitwise_equal(t1, eval1));
   // Without a seed each call draws the next one from the module's counter.
-  in.dropout_seed.reset();
-  EXPECT_FALSE(bitwise_equal(m.forward(in).output, m.forward(in).output));
+  train.dropout_seed.reset();
+  EXPECT_FALSE(bitwise_equal(m.forward(in, train).output, m.forward(in, train).output));
+  // An evaluation call between training calls is unaffected by them.
+  EXPECT_TRUE(bitwise_equal(m.forward(in).output, eval1));
 }
 
 TEST(Module, ReferenceBackendAgrees) {
   auto c = cfg(40, 5);
   c.causal = Causal::kTopLeft;
-  MultiHeadAttention fast(c, 51), ref(c, 51);
-  ref.set_backend(Backend::kReference);
+  const MultiHeadAttention m(c, 51);
+  MhaCallOptions ref;
+  ref.backend = Backend::kReference;
   Rng rng(base_seed() + 6);
   const Tensor x = random_tensor(rng, {2, 17, 40});
-  EXPECT_LE(rel_error(run(fast, x).view<float>(), run(ref, x).view<float>()), 1e-5);
+  EXPECT_LE(rel_error(run(m, x).view<float>(), run(m, x, nullptr, ref).view<float>()), 1e-5);
+}
+
+TEST(Module, CausalPerCallEqualsTheConfiguredCausalModule) {
+  auto c = cfg(32, 4);
+  const MultiHeadAttention plain(c, 53);
+  c.causal = Causal::kTopLeft;
+  const MultiHeadAttention causal(c, 53);
+  Rng rng(base_seed() + 9);
+  const Tensor x = random_tensor(rng, {2, 19, 32});
+  MhaCallOptions is_causal;
+  is_causal.causal = Causal::kTopLeft;
+  EXPECT_TRUE(bitwise_equal(run(plain, x, nullptr, is_causal), run(causal, x)));
+  MhaCallOptions not_causal;
+  not_causal.causal = Causal::kNone;
+  EXPECT_TRUE(bitwise_equal(run(causal, x, nullptr, not_causal), run(plain, x)));
+  EXPECT_FALSE(bitwise_equal(run(plain, x), run(causal, x)));
 }
 
 TEST(Module, KeyLengthsEqualSuffixPadding) {
@@ -157,8 +178,9 @@ TEST(Module, KeyLengthsEqualSuffixPadding) {
   a.query = b.query = x.view<float>();
   a.key_lengths = len.view<int32_t>();
   b.key_padding_mask = kpm.view<uint8_t>();
-  a.need_weights = b.need_weights = true;
-  const MhaOutput ra = m.forward(a), rb = m.forward(b);
+  MhaCallOptions weights;
+  weights.need_weights = true;
+  const MhaOutputs ra = m.forward(a, weights), rb = m.forward(b, weights);
   EXPECT_TRUE(bitwise_equal(ra.output, rb.output));
   EXPECT_TRUE(bitwise_equal(ra.weights, rb.weights));
 }
@@ -169,11 +191,12 @@ TEST(Module, AveragedWeightsAreTheMeanOverHeads) {
   const Tensor x = random_tensor(rng, {2, 5, 24});
   MhaInputs in;
   in.query = x.view<float>();
-  in.need_weights = true;
-  in.average_weights = false;
-  const Tensor per_head = m.forward(in).weights;
-  in.average_weights = true;
-  const Tensor avg = m.forward(in).weights;
+  MhaCallOptions options;
+  options.need_weights = true;
+  options.average_weights = false;
+  const Tensor per_head = m.forward(in, options).weights;
+  options.average_weights = true;
+  const Tensor avg = m.forward(in, options).weights;
   ASSERT_EQ(avg.shape(), (std::vector<int64_t>{2, 5, 5}));
   for (int64_t b = 0; b < 2; ++b)
     for (int64_t i = 0; i < 25; ++i) {

@@ -64,9 +64,15 @@ MhaInputs inputs_of(const Case& c) {
   if (get("keep_mask")) m.keep_mask = get("keep_mask")->view<uint8_t>();
   if (get("attn_bias")) m.attn_bias = get("attn_bias")->view<float>();
   if (get("key_padding_mask")) m.key_padding_mask = get("key_padding_mask")->view<uint8_t>();
-  m.need_weights = c.info.value("need_weights", false);
-  m.average_weights = c.info.value("average_weights", false);
   return m;
+}
+
+MhaCallOptions options_of(const Case& c, Backend backend) {
+  MhaCallOptions o;
+  o.need_weights = c.info.value("need_weights", false);
+  o.average_weights = c.info.value("average_weights", false);
+  o.backend = backend;
+  return o;
 }
 
 void check_case(const Case& c, Backend backend) {
@@ -74,8 +80,7 @@ void check_case(const Case& c, Backend backend) {
   SCOPED_TRACE(name);
   LoadReport report;
   MultiHeadAttention m = build(c, &report);
-  m.set_backend(backend);
-  const MhaOutput out = m.forward(inputs_of(c));
+  const MhaOutputs out = m.forward(inputs_of(c), options_of(c, backend));
   const Tensor& want = c.expected.tensors.at("output");
   ASSERT_EQ(out.output.shape(), want.shape());
 

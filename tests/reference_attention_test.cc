@@ -23,7 +23,7 @@ struct Problem {
     char buf[256];
     std::snprintf(buf, sizeof buf, "B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld D=%ld Dv=%ld causal=%d window=%ld keep=%d bias=%d len=%d",
                   (long)B, (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv, (int)opt.causal, (long)opt.window,
-                  in.keep_mask.given(), in.bias.given(), in.key_lengths.given());
+                  in.keep_mask.given(), in.attn_bias.given(), in.key_lengths.given());
     return buf;
   }
 };
@@ -65,7 +65,7 @@ Problem random_problem(Rng& rng, int64_t max_t = 40, int64_t max_d = 40) {
   }
   if (rng.coin(0.4)) {
     p.bias = random_tensor(rng, broadcast_shape(rng, full));
-    p.in.bias = p.bias.view<float>();
+    p.in.attn_bias = p.bias.view<float>();
   }
   if (rng.coin(0.3)) {
     p.lengths = random_lengths(rng, p.B, p.Tk);
@@ -204,7 +204,7 @@ TEST(ReferenceAttention, FullyMaskedRowsGiveZerosAndMinusInfLse) {
   Small n(3, 4);
   Tensor bias(DType::kF32, {1});
   bias.data<float>()[0] = -kInf;
-  n.in.bias = bias.view<float>();
+  n.in.attn_bias = bias.view<float>();
   n.run({});
   for (const Small* x : {&m, &l, &n}) {
     for (int64_t i = 0; i < x->out.numel(); ++i) ASSERT_EQ(x->out.data<float>()[i], 0.0f);
@@ -220,7 +220,7 @@ TEST(ReferenceAttention, FiniteHugeNegativeBiasIsNotMasking) {
   plain.run({});
   Tensor bias(DType::kF32, {1});
   bias.data<float>()[0] = -1e9f;
-  shifted.in.bias = bias.view<float>();
+  shifted.in.attn_bias = bias.view<float>();
   shifted.run({});
   for (int64_t i = 0; i < 2; ++i)
     for (int64_t j = 0; j < 4; ++j) EXPECT_NEAR(shifted.weight(i, j), plain.weight(i, j), 1e-6f);

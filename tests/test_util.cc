@@ -125,7 +125,7 @@ NaiveResult naive_attention(const AttentionInputs& in, const AttentionOptions& o
           if (!ok) continue;
           double dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(q.at(b, h, i, d)) * K[((b * Hq + h) * Tk + j) * D + d];
-          s[j] = scale * dot + (in.bias.given() ? mask_at(in.bias, b, h, i, j) : 0.0f);
+          s[j] = scale * dot + (in.attn_bias.given() ? mask_at(in.attn_bias, b, h, i, j) : 0.0f);
         }
         double m = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j < Tk; ++j)

@@ -100,7 +100,7 @@ TEST(Weights, GroupedQueryHeadsAreInferred) {
   sd.emplace("o_proj.weight", ones({16, 24}));
   MultiHeadAttention m = MultiHeadAttention::from_state_dict(sd, heads(8));
   EXPECT_EQ(m.config().num_kv_heads, 2);
-  EXPECT_EQ(m.config().v_dim, 24);
+  EXPECT_EQ(m.config().v_proj_dim, 24);
   EXPECT_EQ(m.head_dim_v(), 3);
 }
 

@@ -143,13 +143,13 @@ int run_demo(int threads) {
   {
     // 003: single-head self-attention, dim_in != dim_k != dim_v, no bias, no output projection.
     MultiHeadAttentionConfig c;
-    c.embed_dim = 48, c.num_heads = 1, c.qk_dim = 32, c.v_dim = 40, c.bias = false, c.out_proj = false;
+    c.embed_dim = 48, c.num_heads = 1, c.qk_proj_dim = 32, c.v_proj_dim = 40, c.bias = false, c.out_proj = false;
     cases.push_back({"003", "single-head, dim_k != dim_v", c, {4, 12, 48}, false, false});
   }
   {
     // 003: multi-head self-attention with dim_k != dim_v and one packed QKV matrix.
     MultiHeadAttentionConfig c;
-    c.embed_dim = 64, c.num_heads = 8, c.qk_dim = 128, c.v_dim = 96, c.bias = false, c.out_proj = false;
+    c.embed_dim = 64, c.num_heads = 8, c.qk_proj_dim = 128, c.v_proj_dim = 96, c.bias = false, c.out_proj = false;
     cases.push_back({"003", "multi-head, dim_k != dim_v", c, {4, 12, 64}, false, false});
   }
 
@@ -157,18 +157,19 @@ int run_demo(int threads) {
              "time");
   uint64_t seed = 1;
   for (const SeedCase& sc : cases) {
-    MultiHeadAttention fast(sc.config, seed), ref(sc.config, seed);
-    ref.set_backend(Backend::kReference);
-    fast.set_num_threads(threads);
-    ref.set_num_threads(threads);
+    const MultiHeadAttention module(sc.config, seed);
     const Tensor x = make_input(sc.input_shape, sc.uniform_input, seed + 100);
     MhaInputs in;
     in.query = x.view<float>();
-    in.need_weights = sc.need_weights;
-    in.average_weights = false;
-    MhaOutput got = fast.forward(in);
-    const MhaOutput want = ref.forward(in);
-    const double ms = median_ms([&] { got = fast.forward(in); }, 7);
+    MhaCallOptions fast;
+    fast.need_weights = sc.need_weights;
+    fast.average_weights = false;
+    fast.num_threads = threads;
+    MhaCallOptions ref = fast;
+    ref.backend = Backend::kReference;
+    MhaOutputs got = module.forward(in, fast);
+    const MhaOutputs want = module.forward(in, ref);
+    const double ms = median_ms([&] { got = module.forward(in, fast); }, 7);
     double diff = max_abs_diff(got.output, want.output) / std::max(1e-30, max_abs(want.output));
     if (sc.need_weights) diff = std::max(diff, max_abs_diff(got.weights, want.weights));
     fmt::print("{:<5} {:<28} {:<15} {:<16} {:>13.2e} {:>7.3f} ms\n", sc.seed, sc.name, shape_of(got.output),

@@ -66,8 +66,6 @@ int run_forward(const ForwardArgs& args) {
               "--kv-heads {} disagrees with the weights, which have {} key/value heads", args.kv_heads,
               module.config().num_kv_heads);
   }
-  if (args.reference) module.set_backend(Backend::kReference);
-  module.set_num_threads(args.threads);
   for (const auto& name : report.ignored) std::fprintf(stderr, "mha: note: ignored '%s' in the weights\n", name.c_str());
   for (const auto& name : report.converted)
     std::fprintf(stderr, "mha: note: converted '%s' to F32\n", name.c_str());
@@ -84,9 +82,12 @@ int run_forward(const ForwardArgs& args) {
   in.keep_mask = mask_input(input.tensors, "keep_mask", 1, 4);
   in.attn_bias = float_input(input.tensors, "attn_bias", 1, 4);
   in.key_padding_mask = mask_input(input.tensors, "key_padding_mask", 2, 2);
-  in.need_weights = args.need_weights;
-  in.average_weights = args.average_weights;
-  MhaOutput out = module.forward(in);
+  MhaCallOptions options;
+  options.need_weights = args.need_weights;
+  options.average_weights = args.average_weights;
+  options.num_threads = args.threads;
+  if (args.reference) options.backend = Backend::kReference;
+  MhaOutputs out = module.forward(in, options);
 
   StateDict result;
   result.emplace("output", std::move(out.output));

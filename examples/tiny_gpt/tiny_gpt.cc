@@ -113,7 +113,6 @@ TinyGpt::TinyGpt(const TinyGptConfig& config) : config_(config) {
               MultiHeadAttention(a, ++seed),
               filled({c.hidden, c.dim}, ++seed, 1.0f / std::sqrt(static_cast<float>(c.dim))), constant({c.hidden}, 0.0f),
               filled({c.dim, c.hidden}, ++seed, 1.0f / std::sqrt(static_cast<float>(c.hidden))), constant({c.dim}, 0.0f)};
-    blk.attn.set_num_threads(c.num_threads);
     g_blocks_.push_back({zeros_like(blk.ln1_g), zeros_like(blk.ln1_b), zeros_like(blk.ln2_g), zeros_like(blk.ln2_b),
                          blk.attn.make_grads(), zeros_like(blk.fc1_w), zeros_like(blk.fc1_b), zeros_like(blk.fc2_w),
                          zeros_like(blk.fc2_b)});
@@ -186,7 +185,7 @@ TinyGpt::StepResult TinyGpt::forward_backward(const std::vector<int32_t>& tokens
     s.ln1 = layer_norm(h, blk.ln1_g, blk.ln1_b);
     MhaInputs in;
     in.query = View<const float>(s.ln1.data<float>(), {B, T, dim});
-    const Tensor a_out = blk.attn.forward(in, &s.tape).output;
+    const Tensor a_out = blk.attn.forward(in, attn_options(/*training=*/true), &s.tape).output;
     add_into(h, a_out);
     s.h_mid = h.clone();
     s.ln2 = layer_norm(h, blk.ln2_g, blk.ln2_b);
@@ -241,7 +240,8 @@ TinyGpt::StepResult TinyGpt::forward_backward(const std::vector<int32_t>& tokens
                     g.fc1_w.view<float>(), g.fc1_b.view<float>(), c.num_threads);
     layer_norm_backward(s.h_mid, blk.ln2_g, dln2, dh, g.ln2_g, g.ln2_b);
     // h_mid = h_in + attention(ln1(h_in))
-    const MhaInputGrads ig = blk.attn.backward(s.tape, View<const float>(dh.data<float>(), {B, T, dim}), &g.attn);
+    const MhaInputGrads ig = blk.attn.backward(s.tape, View<const float>(dh.data<float>(), {B, T, dim}), &g.attn,
+                                                 attn_options(true));
     layer_norm_backward(s.h_in, blk.ln1_g, ig.query.reshaped({N, dim}), dh, g.ln1_g, g.ln1_b);
   }
   for (int64_t b = 0; b < B; ++b)
@@ -283,11 +283,11 @@ void TinyGpt::block(const Block& blk, Tensor& h, int64_t B, int64_t T, KvCache* 
   const View<const float> x(a_in.data<float>(), {B, T, dim});
   Tensor a_out;
   if (cache) {
-    a_out = blk.attn.step(x, *cache).output;
+    a_out = blk.attn.step(x, *cache, {}, attn_options(false)).output;
   } else {
     MhaInputs in;
     in.query = x;
-    a_out = blk.attn.forward(in).output;
+    a_out = blk.attn.forward(in, attn_options(false)).output;
   }
   for (int64_t i = 0; i < rows * dim; ++i) h.data<float>()[i] += a_out.data<float>()[i];
   const Tensor m_in = layer_norm(h, blk.ln2_g, blk.ln2_b);

@@ -56,6 +56,12 @@ class TinyGpt {
   int64_t parameter_count() const;
 
  private:
+  MhaCallOptions attn_options(bool training) const {
+    MhaCallOptions o;
+    o.training = training;
+    o.num_threads = config_.num_threads;
+    return o;
+  }
   struct Block {
     Tensor ln1_g, ln1_b, ln2_g, ln2_b;
     MultiHeadAttention attn;
@@ -63,7 +69,7 @@ class TinyGpt {
   };
   struct BlockGrads {
     Tensor ln1_g, ln1_b, ln2_g, ln2_b;
-    MhaGrads attn;
+    MhaParamGrads attn;
     Tensor fc1_w, fc1_b, fc2_w, fc2_b;
   };
   // h (rows, dim) in place: h += attention(ln1(h)); h += mlp(ln2(h)). With a cache the rows are

@@ -53,12 +53,15 @@ enum class Causal : uint8_t {
 // Which implementation runs: kReference is the plain double-accumulating oracle.
 enum class Backend : uint8_t { kAuto, kReference, kFast };
 
+// The most threads a call may ask for; more is an mha::Error.
+inline constexpr int kMaxThreads = 256;
+
 struct AttentionInputs {
   View<const float> query;            // (B, Hq, Tq, Dqk)
   View<const float> key;              // (B, Hkv, Tk, Dqk)
   View<const float> value;            // (B, Hkv, Tk, Dv)
   View<const uint8_t> keep_mask;      // optional, broadcastable to (B, Hq, Tq, Tk); nonzero = attend
-  View<const float> bias;             // optional, broadcastable to (B, Hq, Tq, Tk); added to scores
+  View<const float> attn_bias;        // optional, broadcastable to (B, Hq, Tq, Tk); added to scores
   View<const int32_t> key_lengths;    // optional (B,): 0 <= key_lengths[b] <= Tk
 };
 
@@ -74,7 +77,7 @@ struct AttentionOptions {
   int64_t window = 0;          // 0: no sliding window
   float dropout_p = 0.0f;      // in [0, 1]
   uint64_t dropout_seed = 0;
-  int num_threads = 0;         // 0: all available
+  int num_threads = 0;         // 0: all available; at most kMaxThreads
   Backend backend = Backend::kAuto;
 };
 
@@ -84,7 +87,7 @@ void attention(const AttentionInputs& in, const AttentionOutputs& out,
                const AttentionOptions& options = {});
 
 // Gradients of a loss with respect to query, key and value (overwritten).
-struct AttentionGrads {
+struct AttentionInputGrads {
   View<float> grad_query;  // (B, Hq, Tq, Dqk)
   View<float> grad_key;    // (B, Hkv, Tk, Dqk): summed over the query heads of each group
   View<float> grad_value;  // (B, Hkv, Tk, Dv)
@@ -96,7 +99,7 @@ struct AttentionGrads {
 // fully masked rows receive zero gradient. Gradients of keep_mask, bias and key_lengths are
 // not computed.
 void attention_backward(const AttentionInputs& in, const View<const float>& out, const View<const float>& lse,
-                        const View<const float>& grad_out, const AttentionGrads& grads,
+                        const View<const float>& grad_out, const AttentionInputGrads& grads,
                         const AttentionOptions& options = {});
 
 }  // namespace mha

@@ -21,7 +21,7 @@ namespace mha {
 struct KvCacheConfig {
   int64_t batch = 1;
   int64_t kv_heads = 1;
-  int64_t head_dim_k = 0;
+  int64_t head_dim_qk = 0;
   int64_t head_dim_v = 0;
   int64_t capacity = 0;  // initial slots per sequence (grown by doubling); 0: 16
   int64_t window = 0;    // 0: keep every position; else a ring of the last `window` positions

@@ -1,11 +1,11 @@
 // MultiHeadAttention: projections + attention + output projection, covering PyTorch's
-// nn.MultiheadAttention and the three seed modules (GPT-style masked self-attention,
-// BERT-style attention returning its weights, and dim_in/dim_k/dim_v self-attention).
+// nn.MultiheadAttention, GPT-style masked self-attention, BERT-style attention returning its
+// weights, and self-attention with separate query/key and value widths and no output projection.
 //
-//   Q = query · Wqᵀ + bq      (B, Tq, qk_dim)  split into Hq heads of qk_dim/Hq
-//   K = key   · Wkᵀ + bk      (B, Tk, Hkv·qk_dim/Hq)
-//   V = value · Wvᵀ + bv      (B, Tk, v_dim·Hkv/Hq) split into Hkv heads of v_dim/Hq
-//   A = attention(Q, K, V)    (B, Tq, v_dim) heads merged   (see mha/attention.h)
+//   Q = query · Wqᵀ + bq      (B, Tq, qk_proj_dim)  split into Hq heads of qk_proj_dim/Hq
+//   K = key   · Wkᵀ + bk      (B, Tk, Hkv·qk_proj_dim/Hq)
+//   V = value · Wvᵀ + bv      (B, Tk, v_proj_dim·Hkv/Hq) split into Hkv heads of v_proj_dim/Hq
+//   A = attention(Q, K, V)    (B, Tq, v_proj_dim) heads merged   (see mha/attention.h)
 //   Y = A · Woᵀ + bo          (B, Tq, out_dim)              (or Y = A without out_proj)
 //
 // Self-attention (no key/value given, or key and value are the query itself) computes Q, K
@@ -13,15 +13,16 @@
 // unless config.batch_first is false, then (T, B, E) as PyTorch's default.
 //
 // Masks, with the conventions spelled out because libraries disagree:
-//   keep_mask        nonzero = attend (SDPA's / seed 002's polarity; PyTorch MHA's bool
+//   keep_mask        nonzero = attend (SDPA's polarity; PyTorch MHA's bool
 //                    attn_mask is the opposite), broadcastable to (B, Hq, Tq, Tk)
 //   attn_bias        float, added to the scaled scores, broadcastable to (B, Hq, Tq, Tk)
 //   key_padding_mask (B, Tk), nonzero = padding (PyTorch's polarity)
 //   key_lengths      (B,), keys at or past the length are padding
 // A query row with no visible key returns zeros (PyTorch's MHA returns NaN there).
 //
-// Thread safety: forward() is const and may be called from many threads at once on one module.
-// Changing weights or settings while a forward runs is a data race.
+// Thread safety: forward(), backward() and step() are const, take their settings per call
+// (MhaCallOptions) and may run from many threads at once on one module. Changing the weights
+// (load_state_dict, weight(), an optimizer step) while a call runs is a data race.
 #ifndef MHA_MULTI_HEAD_ATTENTION_H_
 #define MHA_MULTI_HEAD_ATTENTION_H_
 
@@ -41,18 +42,21 @@
 namespace mha {
 
 struct MultiHeadAttentionConfig {
+  // Three kinds of width, named apart: input widths (embed_dim, kdim, vdim, as PyTorch names
+  // them), projection widths over all query heads (*_proj_dim, out_dim), and per-head dims
+  // (head_dim_qk() = qk_proj_dim / num_heads, head_dim_v() = v_proj_dim / num_heads).
   int64_t embed_dim = 0;      // E: width of the query input
   int64_t num_heads = 1;      // Hq
   int64_t num_kv_heads = 0;   // Hkv, dividing Hq (0: Hq). Fewer than Hq is GQA; 1 is MQA.
   int64_t kdim = 0;           // width of the key input (0: E)
   int64_t vdim = 0;           // width of the value input (0: E)
-  int64_t qk_dim = 0;         // query projection width over all heads (0: E)
-  int64_t v_dim = 0;          // value width over all query heads, the merged output (0: E)
+  int64_t qk_proj_dim = 0;    // query projection width over all Hq heads (0: E)
+  int64_t v_proj_dim = 0;     // value projection width over all Hq heads = the merged output (0: E)
   int64_t out_dim = 0;        // output projection width (0: E); unused without out_proj
   bool bias = true;           // biases on the projections
-  bool out_proj = true;       // false: no output projection (seed 003), output width v_dim
+  bool out_proj = true;       // false: no output projection, output width v_proj_dim
   float attn_dropout = 0.0f;  // dropout on attention probabilities, in training mode only
-  float out_dropout = 0.0f;   // dropout on the output, in training mode only (seed 000)
+  float out_dropout = 0.0f;   // dropout on the output, in training mode only
   Causal causal = Causal::kNone;
   int64_t window = 0;         // sliding window (needs causal): each query sees itself and the
                               // window-1 positions before it; 0: no window
@@ -60,6 +64,7 @@ struct MultiHeadAttentionConfig {
   bool batch_first = true;    // (B, T, E); false: (T, B, E)
 };
 
+// The data of one call: inputs and masks. Views are read during the call only.
 struct MhaInputs {
   View<const float> query;             // (B, Tq, E)
   View<const float> key;               // (B, Tk, kdim); not given: self-attention
@@ -68,20 +73,30 @@ struct MhaInputs {
   View<const float> attn_bias;         // optional, added to scores
   View<const uint8_t> key_padding_mask;  // optional (B, Tk), nonzero = padding
   View<const int32_t> key_lengths;     // optional (B,)
-  bool need_weights = false;           // also return the attention weights
-  bool average_weights = true;         // (B, Tq, Tk) averaged over heads, else (B, Hq, Tq, Tk)
-  std::optional<uint64_t> dropout_seed;  // training: the seed of this call (default: the next
-                                         // from the module's counter)
 };
 
-struct MhaOutput {
+// The settings of one call. None of them is stored in the module: calls with different
+// settings may run at the same time on one module.
+struct MhaCallOptions {
+  bool training = false;         // dropout (config attn_dropout, out_dropout) applies only if true
+  bool need_weights = false;     // also return the attention weights
+  bool average_weights = true;   // (B, Tq, Tk) averaged over heads, else (B, Hq, Tq, Tk)
+  std::optional<Causal> causal;  // this call's causal masking instead of config().causal
+                                 // (PyTorch's is_causal); config().window needs it causal
+  std::optional<uint64_t> dropout_seed;  // training: the seed of this call (default: the next
+                                         // from the module's counter, see the constructor)
+  int num_threads = 0;           // 0: all available; above kMaxThreads is an error
+  Backend backend = Backend::kAuto;
+};
+
+struct MhaOutputs {
   Tensor output;   // (B, Tq, out_dim) or (Tq, B, out_dim) when not batch_first
   Tensor weights;  // if need_weights
 };
 
 // Gradient buffers of a module's parameters, in the module's own storage layout; backward()
 // adds to them, zero() clears them. Make them with MultiHeadAttention::make_grads().
-struct MhaGrads {
+struct MhaParamGrads {
   Tensor in_weight, in_bias, out_weight, out_bias;
   void zero();
 };
@@ -120,7 +135,8 @@ struct LoadReport {
 
 class MultiHeadAttention {
  public:
-  // Weights are initialised as nn.Linear does (uniform in ±1/sqrt(fan_in)) from `seed`.
+  // Weights are initialised as nn.Linear does (uniform in ±1/sqrt(fan_in)) from `seed`. A
+  // training call without a dropout_seed draws its seed from `seed` and a call counter (atomic).
   explicit MultiHeadAttention(const MultiHeadAttentionConfig& config, uint64_t seed = 0);
   MultiHeadAttention(MultiHeadAttention&& other) noexcept;
   MultiHeadAttention(const MultiHeadAttention&) = delete;
@@ -136,20 +152,19 @@ class MultiHeadAttention {
   // nn.MultiheadAttention's names when they can express this module, else q_proj/k_proj/...
   StateDict state_dict() const;
 
-  MhaOutput forward(const MhaInputs& inputs) const;
-
-  // Training. forward(inputs, &tape) also records what backward() needs (dropout draws
-  // included: backward regenerates them from the seeds in the tape). backward() takes dL/d
-  // output (the output's shape), *adds* the parameters' gradients into `grads`, and returns the
-  // inputs' gradients. It reads the module's current weights: call it before changing them
-  // (before the optimizer step). Both are const; one MhaGrads per thread.
-  MhaOutput forward(const MhaInputs& inputs, MhaTape* tape) const;
-  MhaInputGrads backward(const MhaTape& tape, const View<const float>& grad_output, MhaGrads* grads) const;
-  MhaGrads make_grads() const;
+  // With a tape, forward also records what backward() needs (dropout draws included: backward
+  // regenerates them from the seeds in the tape). backward() takes dL/d output (the output's
+  // shape), *adds* the parameters' gradients into `grads`, and returns the inputs' gradients; of
+  // its options it uses num_threads and backend. It reads the module's current weights: call it
+  // before changing them (before the optimizer step). Both are const; one MhaParamGrads per thread.
+  MhaOutputs forward(const MhaInputs& inputs, const MhaCallOptions& options = {}, MhaTape* tape = nullptr) const;
+  MhaInputGrads backward(const MhaTape& tape, const View<const float>& grad_output, MhaParamGrads* grads,
+                         const MhaCallOptions& options = {}) const;
+  MhaParamGrads make_grads() const;
   // Trainable tensors with their gradient buffers in `grads` (grad views empty if null), named
   // as state_dict() with separate projections: q_proj.weight, q_proj.bias, ..., out_proj.bias.
   // Biases the module lacks are not listed.
-  std::vector<Parameter> parameters(MhaGrads* grads);
+  std::vector<Parameter> parameters(MhaParamGrads* grads);
 
   // Incremental decoding (self-attention). x holds the newest positions of each sequence,
   // (B, n, E) (or (n, B, E) when not batch_first), of which the first new_tokens[b] rows of
@@ -157,21 +172,17 @@ class MultiHeadAttention {
   // Their keys and values are appended to `cache`, and each attends to its sequence's earlier
   // positions and itself — bottom-right causal, within config().window if set — exactly as a
   // forward over the whole sequence with causal masking would. Prefill: n = prompt length;
-  // decoding: n = 1. No dropout is applied. Thread safety: one cache per thread.
-  MhaOutput step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens = {}) const;
+  // decoding: n = 1. No dropout is applied; of the options it uses num_threads and backend.
+  // Thread safety: one cache per thread.
+  MhaOutputs step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens = {},
+                 const MhaCallOptions& options = {}) const;
   // A cache for this module's kv heads and head dims, with config().window.
   KvCache make_cache(int64_t batch, int64_t capacity = 0) const;
 
   const MultiHeadAttentionConfig& config() const { return config_; }
-  int64_t head_dim_qk() const { return config_.qk_dim / config_.num_heads; }
-  int64_t head_dim_v() const { return config_.v_dim / config_.num_heads; }
-  int64_t output_dim() const { return config_.out_proj ? config_.out_dim : config_.v_dim; }
-
-  void train(bool on = true) { training_ = on; }
-  bool training() const { return training_; }
-  void set_backend(Backend backend) { backend_ = backend; }
-  void set_num_threads(int n) { num_threads_ = n; }
-  void set_seed(uint64_t seed) { seed_ = seed; }
+  int64_t head_dim_qk() const { return config_.qk_proj_dim / config_.num_heads; }
+  int64_t head_dim_v() const { return config_.v_proj_dim / config_.num_heads; }
+  int64_t output_dim() const { return config_.out_proj ? config_.out_dim : config_.v_proj_dim; }
 
   // Parameters, PyTorch layout: weight (out, in), bias (out). Bias views are empty (rank 0)
   // for a projection without bias.
@@ -190,9 +201,9 @@ class MultiHeadAttention {
   Dims dims() const;
   // y (rows × out, row stride ldy) = x (rows × in, contiguous) · Wᵀ + b of projection p, on the
   // module's backend.
-  void project(Proj p, const float* x, int64_t rows, float* y, int64_t ldy) const;
+  void project(Proj p, const float* x, int64_t rows, float* y, int64_t ldy, const MhaCallOptions& options) const;
   // Rows of [q | k | v] = x · [Wq; Wk; Wv]ᵀ + [bq; bk; bv]: self-attention's one GEMM.
-  void project_qkv(const float* x, int64_t rows, float* qkv) const;
+  void project_qkv(const float* x, int64_t rows, float* qkv, const MhaCallOptions& options) const;
   // (B, T, output_dim()) or (T, B, output_dim()).
   std::vector<int64_t> output_shape(int64_t B, int64_t T) const;
   bool packed() const { return config_.kdim == config_.embed_dim && config_.vdim == config_.embed_dim; }
@@ -204,9 +215,6 @@ class MultiHeadAttention {
   Tensor in_bias_;   // (Rq + Rk + Rv); zeros where a projection has no bias
   Tensor out_weight_, out_bias_;
   bool has_bias_[4] = {false, false, false, false};
-  bool training_ = false;
-  Backend backend_ = Backend::kAuto;
-  int num_threads_ = 0;
   uint64_t seed_ = 0;
   mutable std::atomic<uint64_t> calls_{0};
 };

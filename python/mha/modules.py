@@ -8,10 +8,14 @@ attn_mask True = *not* allowed to attend, float attn_mask added; attn_mask (L, S
 (N * num_heads, L, S); key_padding_mask (N, S), bool True = padding or float added; dropout on
 the weights in training mode (a new module is in training mode, as torch's; call .eval()).
 Differences (docs/semantics.md): a query with every key masked gets zeros before the output
-projection (torch: NaN); is_causal without attn_mask applies a causal mask (torch raises);
+projection (torch: NaN); is_causal without attn_mask applies the analytic causal mask (top-left;
+no L x S mask is built; torch raises);
 add_bias_kv and add_zero_attn are not supported (an error says so).
-Extras: num_kv_heads (GQA), keep_mask= (nonzero = attend, the seeds' polarity), dropout_seed=,
-key/value optional (self-attention), step() with a KvCache for decoding, from_torch().
+Extras: num_kv_heads (GQA), keep_mask= (nonzero = attend, BERT-style polarity), dropout_seed=,
+training= (this call's mode instead of the module's), key/value optional (self-attention), step()
+with a KvCache for decoding, from_torch().
+Threads: every setting of a call travels with it into C++; calls from many threads may share one
+module (pass training= per call rather than switching train()/eval() between threads).
 """
 import numpy as np
 
@@ -126,7 +130,7 @@ class MultiheadAttention:
     vdim = property(lambda self: self._m.config["vdim"])
     batch_first = property(lambda self: self._m.config["batch_first"])
     dropout = property(lambda self: self._m.config["attn_dropout"])
-    head_dim = property(lambda self: self._m.config["qk_dim"] // self._m.config["num_heads"])
+    head_dim = property(lambda self: self._m.config["qk_proj_dim"] // self._m.config["num_heads"])
 
     def train(self, mode=True):
         self.training = bool(mode)
@@ -141,7 +145,7 @@ class MultiheadAttention:
         return self.forward(*args, **kwargs)
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False, *, keep_mask=None, dropout_seed=None):
+                average_attn_weights=True, is_causal=False, *, keep_mask=None, dropout_seed=None, training=None):
         kind = A.kind_of(query, key, value, key_padding_mask, attn_mask, keep_mask)
         self_attention = key is None or (key is query and value is query)
         if (key is None) != (value is None):
@@ -187,9 +191,9 @@ class MultiheadAttention:
             else:
                 A.check_float32(attn_mask, "attn_mask")
                 bias = attn_mask
-        elif is_causal:
-            causal = np.tril(np.ones((L, S), dtype=bool))
-            keep = A.from_numpy(kind, causal) if keep is None else _and(keep, A.from_numpy(kind, causal))
+        # is_causal without attn_mask: the analytic causal mask (top-left, as torch's), with block
+        # skipping and O(T) memory; with attn_mask, torch takes is_causal as a hint and so does mha.
+        causal = 1 if is_causal and attn_mask is None else None
         if key_padding_mask is not None:
             kp = key_padding_mask if batched else key_padding_mask[None]
             if tuple(kp.shape) != (N, S):
@@ -201,14 +205,17 @@ class MultiheadAttention:
                 A.check_float32(kp, "key_padding_mask")
                 kp4 = A.reshape(kp, (N, 1, 1, S))
                 bias = kp4 if bias is None else bias + kp4
+        # Settings travel with the call (the C++ module holds none): threads may share a module.
+        training = self.training if training is None else bool(training)
         seed = dropout_seed
-        if seed is None and self.training and self.dropout > 0:
+        if seed is None and training and self.dropout > 0:
             seed = A.random_seed(kind)
         out, weights = self._m.forward(A.native(q), None if self_attention else A.native(k),
                                        None if self_attention else A.native(v), keep_mask=A.native(keep),
                                        attn_bias=A.native(bias), key_padding_mask=A.native(kpm),
                                        need_weights=bool(need_weights), average_weights=bool(average_attn_weights),
-                                       training=self.training, dropout_seed=seed, num_threads=self.num_threads,
+                                       training=training, causal=causal, dropout_seed=seed,
+                                       num_threads=self.num_threads,
                                        backend=self.backend)
         if not batched:
             out = out[0] if bf else out[:, 0]

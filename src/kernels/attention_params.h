@@ -18,14 +18,14 @@ using Strides4 = std::array<int64_t, 4>;  // (batch, head, row, column) in eleme
 struct AttentionParams {
   int64_t batch = 0, q_heads = 0, kv_heads = 0;
   int64_t q_len = 0, kv_len = 0;
-  int64_t qk_dim = 0, v_dim = 0;
+  int64_t head_dim_qk = 0, head_dim_v = 0;
 
   const float* q = nullptr;  Strides4 q_stride{};   // (B, Hq, Tq, Dqk)
   const float* k = nullptr;  Strides4 k_stride{};   // (B, Hkv, Tk, Dqk)
   const float* v = nullptr;  Strides4 v_stride{};   // (B, Hkv, Tk, Dv)
 
   const uint8_t* keep = nullptr;  Strides4 keep_stride{};  // nonzero = attend
-  const float* bias = nullptr;    Strides4 bias_stride{};
+  const float* attn_bias = nullptr;  Strides4 attn_bias_stride{};
   const int32_t* key_lengths = nullptr;  int64_t key_lengths_stride = 0;
 
   float scale = 1.0f;

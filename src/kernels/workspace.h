@@ -13,7 +13,22 @@ namespace mha::kernels {
 
 class Workspace {
  public:
-  static constexpr int kSlots = 24;
+  // One buffer per slot. A slot holds one array of one kernel while that kernel runs on this
+  // thread; kernels do not nest, so the forward, weights and backward passes share the tile's
+  // slots and the query/score blocks.
+  enum Slot : int {
+    // The tile of query rows (flash_blocks-inl.h): visible key range, head and query of each row.
+    kTileLo, kTileHi, kTileHead, kTileQuery, kTileValid,
+    // Forward and weights passes (flash_fwd.cc, flash_weights.cc); the backward reuses the first two.
+    kQueryT, kScores, kOutT, kRowMax, kRowSum, kRescale, kNonfinite,
+    // Backward (flash_bwd.cc).
+    kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
+    kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats,
+    // Decoding (flash_decode.cc).
+    kDecodeQuery, kDecodeZeroRow, kDecodeScores, kDecodeRescale, kDecodeLo, kDecodeHi, kDecodeMerge,
+    kDecodeOut, kDecodeMax, kDecodeSum,
+    kSlots
+  };
 
   // This thread's workspace.
   static Workspace& local() {
@@ -24,7 +39,7 @@ class Workspace {
   // `count` elements of T, 64-byte aligned, contents undefined. Slots are independent buffers.
   // Throws std::bad_alloc when memory runs out.
   template <typename T>
-  T* get(int slot, size_t count) {
+  T* get(Slot slot, size_t count) {
     const size_t bytes = (count * sizeof(T) + 63) / 64 * 64 + 64;
     if (bytes > size_[slot]) {
       std::free(data_[slot]);

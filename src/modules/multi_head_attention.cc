@@ -25,18 +25,18 @@ MultiHeadAttentionConfig resolve_config(const MultiHeadAttentionConfig& in) {
   if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
   if (c.kdim == 0) c.kdim = c.embed_dim;
   if (c.vdim == 0) c.vdim = c.embed_dim;
-  if (c.qk_dim == 0) c.qk_dim = c.embed_dim;
-  if (c.v_dim == 0) c.v_dim = c.embed_dim;
+  if (c.qk_proj_dim == 0) c.qk_proj_dim = c.embed_dim;
+  if (c.v_proj_dim == 0) c.v_proj_dim = c.embed_dim;
   if (c.out_dim == 0) c.out_dim = c.embed_dim;
   for (auto [value, name] : {std::pair{c.num_kv_heads, "num_kv_heads"}, {c.kdim, "kdim"}, {c.vdim, "vdim"},
-                             {c.qk_dim, "qk_dim"}, {c.v_dim, "v_dim"}, {c.out_dim, "out_dim"}}) {
+                             {c.qk_proj_dim, "qk_proj_dim"}, {c.v_proj_dim, "v_proj_dim"}, {c.out_dim, "out_dim"}}) {
     MHA_CHECK(value > 0, "MultiHeadAttention: {} must be positive; got {}", name, value);
   }
-  MHA_CHECK(c.qk_dim % c.num_heads == 0,
-            "MultiHeadAttention: qk_dim (embed_dim by default) = {} is not divisible by num_heads = {}", c.qk_dim,
+  MHA_CHECK(c.qk_proj_dim % c.num_heads == 0,
+            "MultiHeadAttention: qk_proj_dim (embed_dim by default) = {} is not divisible by num_heads = {}", c.qk_proj_dim,
             c.num_heads);
-  MHA_CHECK(c.v_dim % c.num_heads == 0,
-            "MultiHeadAttention: v_dim (embed_dim by default) = {} is not divisible by num_heads = {}", c.v_dim,
+  MHA_CHECK(c.v_proj_dim % c.num_heads == 0,
+            "MultiHeadAttention: v_proj_dim (embed_dim by default) = {} is not divisible by num_heads = {}", c.v_proj_dim,
             c.num_heads);
   MHA_CHECK(c.num_heads % c.num_kv_heads == 0,
             "MultiHeadAttention: num_kv_heads = {} does not divide num_heads = {}", c.num_kv_heads, c.num_heads);
@@ -54,7 +54,7 @@ MultiHeadAttentionConfig resolve_config(const MultiHeadAttentionConfig& in) {
 MultiHeadAttention::Dims MultiHeadAttention::dims() const {
   const auto& c = config_;
   const std::array<int64_t, 3> rows = modules::qkv_rows(c);
-  return {{rows[0], rows[1], rows[2], c.out_dim}, {c.embed_dim, c.kdim, c.vdim, c.v_dim}};
+  return {{rows[0], rows[1], rows[2], c.out_dim}, {c.embed_dim, c.kdim, c.vdim, c.v_proj_dim}};
 }
 
 MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config, uint64_t seed)
@@ -87,9 +87,6 @@ MultiHeadAttention::MultiHeadAttention(MultiHeadAttention&& other) noexcept
       in_bias_(std::move(other.in_bias_)),
       out_weight_(std::move(other.out_weight_)),
       out_bias_(std::move(other.out_bias_)),
-      training_(other.training_),
-      backend_(other.backend_),
-      num_threads_(other.num_threads_),
       seed_(other.seed_),
       calls_(other.calls_.load()) {
   std::copy(other.has_bias_, other.has_bias_ + 4, has_bias_);
@@ -222,7 +219,7 @@ MultiHeadAttention MultiHeadAttention::from_state_dict(const StateDict& sd, cons
   c.embed_dim = cols[0];
   c.kdim = cols[1];
   c.vdim = cols[2];
-  c.qk_dim = rows[0];
+  c.qk_proj_dim = rows[0];
   const int64_t H = base.num_heads;
   MHA_CHECK(rows[0] % H == 0, "weights: query projection width {} is not divisible by num_heads = {}", rows[0], H);
   const int64_t dh = rows[0] / H;
@@ -230,11 +227,11 @@ MultiHeadAttention MultiHeadAttention::from_state_dict(const StateDict& sd, cons
             "weights: key projection width {} is not a whole number of heads of {} dividing {} heads (query width {})",
             rows[1], dh, H, rows[0]);
   c.num_kv_heads = rows[1] / dh;
-  c.v_dim = rows[2] * (H / c.num_kv_heads);
+  c.v_proj_dim = rows[2] * (H / c.num_kv_heads);
   c.out_proj = f.weight[3].tensor != nullptr;
   if (c.out_proj) {
     const auto s = shape_of(f.weight[3]);
-    MHA_CHECK(s.size() == 2 && s[1] == c.v_dim, "weights: '{}' must be (out, {}); got {}", f.weight[3].name, c.v_dim,
+    MHA_CHECK(s.size() == 2 && s[1] == c.v_proj_dim, "weights: '{}' must be (out, {}); got {}", f.weight[3].name, c.v_proj_dim,
               shape_string(s.data(), static_cast<int>(s.size())));
     c.out_dim = s[0];
   }
@@ -260,8 +257,8 @@ StateDict MultiHeadAttention::state_dict() const {
   auto copy_of = [](View<const float> v) { return to_tensor(v); };
   const bool all_bias = has_bias_[0] && has_bias_[1] && has_bias_[2];
   const bool none_bias = !has_bias_[0] && !has_bias_[1] && !has_bias_[2];
-  const bool torch_mha = c.out_proj && c.out_dim == c.embed_dim && c.qk_dim == c.embed_dim &&
-                         c.v_dim == c.embed_dim && c.num_kv_heads == c.num_heads && (all_bias || none_bias) &&
+  const bool torch_mha = c.out_proj && c.out_dim == c.embed_dim && c.qk_proj_dim == c.embed_dim &&
+                         c.v_proj_dim == c.embed_dim && c.num_kv_heads == c.num_heads && (all_bias || none_bias) &&
                          has_bias_[3] == all_bias;
   if (torch_mha) {
     if (packed()) {
@@ -330,18 +327,19 @@ Tensor combined_keep_mask(const View<const uint8_t>& m, const View<const uint8_t
 
 }  // namespace
 
-void MultiHeadAttention::project(Proj p, const float* x, int64_t rows, float* y, int64_t ldy) const {
+void MultiHeadAttention::project(Proj p, const float* x, int64_t rows, float* y, int64_t ldy,
+                                 const MhaCallOptions& options) const {
   const View<const float> w = weight(p);
   const ops::RowMatrix xm{x, rows, w.shape[1], w.shape[1]};
   const ops::RowMatrix wm{w.data, w.shape[0], w.shape[1], w.shape[1]};
   const float* b = has_bias_[p] ? bias(p).data : nullptr;
-  (backend_ == Backend::kReference ? ops::linear_ref : ops::linear)(xm, wm, b, y, ldy, num_threads_);
+  (options.backend == Backend::kReference ? ops::linear_ref : ops::linear)(xm, wm, b, y, ldy, options.num_threads);
 }
 
-void MultiHeadAttention::project_qkv(const float* x, int64_t rows, float* qkv) const {
+void MultiHeadAttention::project_qkv(const float* x, int64_t rows, float* qkv, const MhaCallOptions& options) const {
   const int64_t E = config_.embed_dim, W = in_bias_.numel();
-  (backend_ == Backend::kReference ? ops::linear_ref : ops::linear)(
-      {x, rows, E, E}, {in_weight_.data<float>(), W, E, E}, in_bias_.data<float>(), qkv, W, num_threads_);
+  (options.backend == Backend::kReference ? ops::linear_ref : ops::linear)(
+      {x, rows, E, E}, {in_weight_.data<float>(), W, E, E}, in_bias_.data<float>(), qkv, W, options.num_threads);
 }
 
 std::vector<int64_t> MultiHeadAttention::output_shape(int64_t B, int64_t T) const {
@@ -353,9 +351,7 @@ MhaTape::~MhaTape() = default;
 MhaTape::MhaTape(MhaTape&&) noexcept = default;
 MhaTape& MhaTape::operator=(MhaTape&&) noexcept = default;
 
-MhaOutput MultiHeadAttention::forward(const MhaInputs& in) const { return forward(in, nullptr); }
-
-MhaOutput MultiHeadAttention::forward(const MhaInputs& in, MhaTape* tape) const {
+MhaOutputs MultiHeadAttention::forward(const MhaInputs& in, const MhaCallOptions& options, MhaTape* tape) const {
   const auto& c = config_;
   const Dims d = dims();
   const auto& q = in.query;
@@ -404,16 +400,16 @@ MhaOutput MultiHeadAttention::forward(const MhaInputs& in, MhaTape* tape) const 
   modules::Rows xq = modules::contiguous_rows(q), xk, xv;
   if (self && packed()) {
     qkv = Tensor(DType::kF32, {Nq, d.rows[0] + d.rows[1] + d.rows[2]});
-    project_qkv(xq.data, Nq, qkv.data<float>());
+    project_qkv(xq.data, Nq, qkv.data<float>(), options);
   } else {
     xk = modules::contiguous_rows(key);
     xv = modules::contiguous_rows(value);
     qkv = Tensor(DType::kF32, {Nq, d.rows[0]});
     kbuf = Tensor(DType::kF32, {Nk, d.rows[1]});
     vbuf = Tensor(DType::kF32, {Nk, d.rows[2]});
-    project(kQ, xq.data, Nq, qkv.data<float>(), d.rows[0]);
-    project(kK, xk.data, Nk, kbuf.data<float>(), d.rows[1]);
-    project(kV, xv.data, Nk, vbuf.data<float>(), d.rows[2]);
+    project(kQ, xq.data, Nq, qkv.data<float>(), d.rows[0], options);
+    project(kK, xk.data, Nk, kbuf.data<float>(), d.rows[1], options);
+    project(kV, xv.data, Nk, vbuf.data<float>(), d.rows[2], options);
   }
   const modules::QkvHeads heads = modules::qkv_heads(c, qkv.data<float>(), kbuf.defined() ? kbuf.data<float>() : nullptr,
                                                      vbuf.defined() ? vbuf.data<float>() : nullptr, lq, lk);
@@ -423,32 +419,36 @@ MhaOutput MultiHeadAttention::forward(const MhaInputs& in, MhaTape* tape) const 
   ai.query = heads.q;
   ai.key = heads.k;
   ai.value = heads.v;
-  ai.bias = in.attn_bias;
+  ai.attn_bias = in.attn_bias;
   ai.key_lengths = in.key_lengths;
   Tensor keep;
   if (in.key_padding_mask.given()) keep = combined_keep_mask(in.keep_mask, in.key_padding_mask, B, Hq, Tq, Tk);
   ai.keep_mask = keep.defined() ? keep.view<uint8_t>() : in.keep_mask;
 
-  const uint64_t call_seed = in.dropout_seed ? *in.dropout_seed : modules::derive_seed(seed_, calls_.fetch_add(1));
+  const uint64_t call_seed =
+      options.dropout_seed ? *options.dropout_seed : modules::derive_seed(seed_, calls_.fetch_add(1));
   AttentionOptions opt;
-  opt.causal = c.causal;
+  opt.causal = options.causal.value_or(c.causal);
+  MHA_CHECK(c.window == 0 || opt.causal != Causal::kNone,
+            "MultiHeadAttention: options.causal turns causal masking off, but the module's window = {} needs it",
+            c.window);
   opt.window = c.window;
-  opt.num_threads = num_threads_;
-  opt.backend = backend_;
-  if (training_) {
+  opt.num_threads = options.num_threads;
+  opt.backend = options.backend;
+  if (options.training) {
     opt.dropout_p = c.attn_dropout;
     opt.dropout_seed = modules::derive_seed(call_seed, 1);
   }
 
-  // Attention output, heads merged: rows of v_dim floats in the input's layout. Without an
+  // Attention output, heads merged: rows of v_proj_dim floats in the input's layout. Without an
   // output projection this is the result itself.
   const std::vector<int64_t> out_shape = output_shape(B, Tq);
-  Tensor merged = c.out_proj ? Tensor(DType::kF32, {Nq, c.v_dim}) : Tensor(DType::kF32, out_shape);
+  Tensor merged = c.out_proj ? Tensor(DType::kF32, {Nq, c.v_proj_dim}) : Tensor(DType::kF32, out_shape);
   AttentionOutputs ao;
-  ao.out = modules::heads_view(merged.data<float>(), lq, c.v_dim, Hq, head_dim_v());
-  MhaOutput result;
-  if (in.need_weights) {
-    result.weights = in.average_weights ? Tensor(DType::kF32, {B, Tq, Tk}) : Tensor(DType::kF32, {B, Hq, Tq, Tk});
+  ao.out = modules::heads_view(merged.data<float>(), lq, c.v_proj_dim, Hq, head_dim_v());
+  MhaOutputs result;
+  if (options.need_weights) {
+    result.weights = options.average_weights ? Tensor(DType::kF32, {B, Tq, Tk}) : Tensor(DType::kF32, {B, Hq, Tq, Tk});
     ao.weights = result.weights.view<float>();
   }
   std::unique_ptr<MhaTape::State> saved;
@@ -459,11 +459,11 @@ MhaOutput MultiHeadAttention::forward(const MhaInputs& in, MhaTape* tape) const 
   }
   attention(ai, ao, opt);
 
-  const bool drop_out = training_ && c.out_dropout > 0;
+  const bool drop_out = options.training && c.out_dropout > 0;
   const uint64_t out_seed = modules::derive_seed(call_seed, 2);
   if (c.out_proj) {
     result.output = Tensor(DType::kF32, out_shape);
-    project(kOut, merged.data<float>(), Nq, result.output.data<float>(), output_dim());
+    project(kOut, merged.data<float>(), Nq, result.output.data<float>(), output_dim(), options);
   } else {
     result.output = tape && drop_out ? merged.clone() : std::move(merged);
   }

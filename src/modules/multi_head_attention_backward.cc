@@ -1,5 +1,5 @@
 // MultiHeadAttention training: gradient buffers, parameters for an optimizer, and backward()
-// from a tape recorded by forward(inputs, &tape).
+// from a tape recorded by forward(inputs, options, &tape).
 #include <algorithm>
 
 #include "mha/multi_head_attention.h"
@@ -9,14 +9,14 @@
 
 namespace mha {
 
-void MhaGrads::zero() {
+void MhaParamGrads::zero() {
   for (Tensor* t : {&in_weight, &in_bias, &out_weight, &out_bias}) {
     if (t->defined()) std::fill(t->data<float>(), t->data<float>() + t->numel(), 0.0f);
   }
 }
 
-MhaGrads MultiHeadAttention::make_grads() const {
-  MhaGrads g;
+MhaParamGrads MultiHeadAttention::make_grads() const {
+  MhaParamGrads g;
   g.in_weight = Tensor(DType::kF32, in_weight_.shape());
   g.in_bias = Tensor(DType::kF32, in_bias_.shape());
   if (config_.out_proj) {
@@ -28,7 +28,7 @@ MhaGrads MultiHeadAttention::make_grads() const {
 
 namespace {
 
-void check_grads(const MhaGrads& g, const Tensor& in_weight, const Tensor& out_weight) {
+void check_grads(const MhaParamGrads& g, const Tensor& in_weight, const Tensor& out_weight) {
   MHA_CHECK(g.in_weight.defined() && g.in_weight.shape() == in_weight.shape() &&
                 g.out_weight.defined() == out_weight.defined() &&
                 (!out_weight.defined() || g.out_weight.shape() == out_weight.shape()),
@@ -39,7 +39,7 @@ void check_grads(const MhaGrads& g, const Tensor& in_weight, const Tensor& out_w
 
 }  // namespace
 
-std::vector<Parameter> MultiHeadAttention::parameters(MhaGrads* grads) {
+std::vector<Parameter> MultiHeadAttention::parameters(MhaParamGrads* grads) {
   if (grads) check_grads(*grads, in_weight_, out_weight_);
   std::vector<Parameter> params;
   const Dims d = dims();
@@ -62,8 +62,8 @@ std::vector<Parameter> MultiHeadAttention::parameters(MhaGrads* grads) {
 }
 
 MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const float>& grad_output,
-                                           MhaGrads* grads) const {
-  MHA_CHECK(tape.recorded(), "MultiHeadAttention::backward: the tape is empty; record it with forward(inputs, &tape)");
+                                           MhaParamGrads* grads, const MhaCallOptions& options) const {
+  MHA_CHECK(tape.recorded(), "MultiHeadAttention::backward: the tape is empty; record it with forward(inputs, options, &tape)");
   const MhaTape::State& t = *tape.state_;
   MHA_CHECK(t.module == this, "MultiHeadAttention::backward: the tape was recorded by another module");
   MHA_CHECK(grads != nullptr, "MultiHeadAttention::backward: grads must not be null; use make_grads()");
@@ -86,11 +86,11 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   // Output projection.
   Tensor dmerged;
   if (c.out_proj) {
-    dmerged = Tensor(DType::kF32, {Nq, c.v_dim});
-    ops::linear_backward({t.merged.data<float>(), Nq, c.v_dim, c.v_dim},
+    dmerged = Tensor(DType::kF32, {Nq, c.v_proj_dim});
+    ops::linear_backward({t.merged.data<float>(), Nq, c.v_proj_dim, c.v_proj_dim},
                          {out_weight_.data<float>(), d.rows[3], d.cols[3], d.cols[3]}, dy.data<float>(), width,
-                         dmerged.data<float>(), c.v_dim, grads->out_weight.data<float>(), d.cols[3],
-                         has_bias_[kOut] ? grads->out_bias.data<float>() : nullptr, num_threads_);
+                         dmerged.data<float>(), c.v_proj_dim, grads->out_weight.data<float>(), d.cols[3],
+                         has_bias_[kOut] ? grads->out_bias.data<float>() : nullptr, options.num_threads);
   } else {
     dmerged = std::move(dy);
   }
@@ -115,13 +115,16 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   ai.key = heads.k;
   ai.value = heads.v;
   ai.keep_mask = modules::view_or_empty<uint8_t>(t.keep);
-  ai.bias = modules::view_or_empty<float>(t.bias);
+  ai.attn_bias = modules::view_or_empty<float>(t.bias);
   ai.key_lengths = modules::view_or_empty<int32_t>(t.lengths);
   const int64_t Hq = c.num_heads, dh = head_dim_v();
-  const View<const float> out_heads = modules::heads_view(data(t.merged), lq, c.v_dim, Hq, dh);
-  const View<const float> dout_heads = modules::heads_view(dmerged.data<float>(), lq, c.v_dim, Hq, dh);
+  const View<const float> out_heads = modules::heads_view(data(t.merged), lq, c.v_proj_dim, Hq, dh);
+  const View<const float> dout_heads = modules::heads_view(dmerged.data<float>(), lq, c.v_proj_dim, Hq, dh);
+  AttentionOptions attention_options = t.options;  // the forward's masking and dropout draws
+  attention_options.num_threads = options.num_threads;
+  attention_options.backend = options.backend;
   attention_backward(ai, out_heads, t.lse.view<float>(), dout_heads, {grad_heads.q, grad_heads.k, grad_heads.v},
-                     t.options);
+                     attention_options);
 
   // Input projections.
   MhaInputGrads result;
@@ -129,7 +132,7 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   if (packed_self) {
     ops::linear_backward({t.xq.data<float>(), Nq, c.embed_dim, c.embed_dim}, {in_weight_.data<float>(), W, c.embed_dim, c.embed_dim},
                          dqkv.data<float>(), W, result.query.data<float>(), c.embed_dim, grads->in_weight.data<float>(), c.embed_dim,
-                         grads->in_bias.data<float>(), num_threads_);
+                         grads->in_bias.data<float>(), options.num_threads);
     // Projections without a bias have no bias gradient.
     int64_t offset = 0;
     for (int p = 0; p < 3; ++p) {
@@ -148,7 +151,7 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   for (int p = 0; p < 3; ++p) {
     ops::linear_backward({x[p], rows[p], d.cols[p], d.cols[p]}, {in_weight_.data<float>() + w_offset, d.rows[p], d.cols[p], d.cols[p]},
                          dproj[p], d.rows[p], dx[p], d.cols[p], grads->in_weight.data<float>() + w_offset, d.cols[p],
-                         has_bias_[p] ? grads->in_bias.data<float>() + b_offset : nullptr, num_threads_);
+                         has_bias_[p] ? grads->in_bias.data<float>() + b_offset : nullptr, options.num_threads);
     w_offset += d.rows[p] * d.cols[p];
     b_offset += d.rows[p];
   }

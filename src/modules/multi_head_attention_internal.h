@@ -15,11 +15,11 @@
 namespace mha {
 namespace modules {
 
-// Rows of the q, k and v projection weights: Hq heads of qk_dim/Hq, Hkv heads of the same, and
-// Hkv heads of v_dim/Hq.
+// Rows of the q, k and v projection weights: Hq heads of qk_proj_dim/Hq, Hkv heads of the same, and
+// Hkv heads of v_proj_dim/Hq.
 inline std::array<int64_t, 3> qkv_rows(const MultiHeadAttentionConfig& c) {
   const int64_t group = c.num_heads / c.num_kv_heads;
-  return {c.qk_dim, c.qk_dim / group, c.v_dim / group};
+  return {c.qk_proj_dim, c.qk_proj_dim / group, c.v_proj_dim / group};
 }
 
 // A row matrix of B*T rows holding a (B, T, E) or (T, B, E) sequence.
@@ -47,7 +47,7 @@ struct QkvHeads {
 inline QkvHeads qkv_heads(const MultiHeadAttentionConfig& c, float* q, float* k, float* v, const Layout& lq,
                           const Layout& lk) {
   const std::array<int64_t, 3> rows = qkv_rows(c);
-  const int64_t dqk = c.qk_dim / c.num_heads, dv = c.v_dim / c.num_heads;
+  const int64_t dqk = c.qk_proj_dim / c.num_heads, dv = c.v_proj_dim / c.num_heads;
   if (k == nullptr) {
     const int64_t width = rows[0] + rows[1] + rows[2];
     return {heads_view(q, lq, width, c.num_heads, dqk), heads_view(q + rows[0], lk, width, c.num_kv_heads, dqk),

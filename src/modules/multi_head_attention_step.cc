@@ -12,14 +12,15 @@ KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity) const {
   KvCacheConfig k;
   k.batch = batch;
   k.kv_heads = config_.num_kv_heads;
-  k.head_dim_k = head_dim_qk();
+  k.head_dim_qk = head_dim_qk();
   k.head_dim_v = head_dim_v();
   k.capacity = capacity;
   k.window = config_.window;
   return KvCache(k);
 }
 
-MhaOutput MultiHeadAttention::step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens) const {
+MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens,
+                                    const MhaCallOptions& options) const {
   const auto& c = config_;
   const Dims d = dims();
   const bool batch_first = c.batch_first;
@@ -29,11 +30,11 @@ MhaOutput MultiHeadAttention::step(const View<const float>& x, KvCache& cache, c
             c.kdim, c.vdim, c.embed_dim);
   const int64_t B = x.shape[batch_first ? 0 : 1], n = x.shape[batch_first ? 1 : 0];
   const KvCacheConfig& kc = cache.config();
-  MHA_CHECK(kc.batch == B && kc.kv_heads == c.num_kv_heads && kc.head_dim_k == head_dim_qk() &&
+  MHA_CHECK(kc.batch == B && kc.kv_heads == c.num_kv_heads && kc.head_dim_qk == head_dim_qk() &&
                 kc.head_dim_v == head_dim_v() && kc.window == c.window,
             "MultiHeadAttention::step: the cache (batch {}, kv heads {}, head dims {}/{}, window {}) does not fit this "
             "module and input (batch {}, kv heads {}, head dims {}/{}, window {}); use make_cache()",
-            kc.batch, kc.kv_heads, kc.head_dim_k, kc.head_dim_v, kc.window, B, c.num_kv_heads, head_dim_qk(),
+            kc.batch, kc.kv_heads, kc.head_dim_qk, kc.head_dim_v, kc.window, B, c.num_kv_heads, head_dim_qk(),
             head_dim_v(), c.window);
   std::vector<int64_t> counts = new_tokens.empty() ? std::vector<int64_t>(static_cast<size_t>(B), n) : new_tokens;
   MHA_CHECK(static_cast<int64_t>(counts.size()) == B, "MultiHeadAttention::step: {} new_tokens for a batch of {}",
@@ -53,7 +54,7 @@ MhaOutput MultiHeadAttention::step(const View<const float>& x, KvCache& cache, c
   const int64_t Hkv = c.num_kv_heads, dqk = head_dim_qk(), dv = head_dim_v();
   const modules::Rows xr = modules::contiguous_rows(x);
   Tensor qkv(DType::kF32, {N, d.rows[0] + d.rows[1] + d.rows[2]});
-  project_qkv(xr.data, N, qkv.data<float>());
+  project_qkv(xr.data, N, qkv.data<float>(), options);
   const modules::Layout l{B, n, batch_first};
   const modules::QkvHeads heads = modules::qkv_heads(c, qkv.data<float>(), nullptr, nullptr, l, l);
   const View<float>& qh = heads.q;
@@ -62,12 +63,12 @@ MhaOutput MultiHeadAttention::step(const View<const float>& x, KvCache& cache, c
 
   const int64_t out_width = output_dim();
   const std::vector<int64_t> out_shape = output_shape(B, n);
-  Tensor merged = c.out_proj ? Tensor(DType::kF32, {N, c.v_dim}) : Tensor(DType::kF32, out_shape);
+  Tensor merged = c.out_proj ? Tensor(DType::kF32, {N, c.v_proj_dim}) : Tensor(DType::kF32, out_shape);
   AttentionOutputs ao;
-  ao.out = modules::heads_view(merged.data<float>(), l, c.v_dim, c.num_heads, dv);
+  ao.out = modules::heads_view(merged.data<float>(), l, c.v_proj_dim, c.num_heads, dv);
   AttentionOptions opt;
-  opt.num_threads = num_threads_;
-  opt.backend = backend_;
+  opt.num_threads = options.num_threads;
+  opt.backend = options.backend;
   Tensor lengths(DType::kI32, {B});
   std::vector<int64_t> offsets(static_cast<size_t>(B));
 
@@ -121,13 +122,13 @@ MhaOutput MultiHeadAttention::step(const View<const float>& x, KvCache& cache, c
   // Rows past new_tokens[b] are padding: zeros.
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = counts[b]; t < n; ++t) {
-      float* row = merged.data<float>() + (b * l.batch_rows() + t * l.time_rows()) * c.v_dim;
-      std::fill(row, row + c.v_dim, 0.0f);
+      float* row = merged.data<float>() + (b * l.batch_rows() + t * l.time_rows()) * c.v_proj_dim;
+      std::fill(row, row + c.v_proj_dim, 0.0f);
     }
-  MhaOutput result;
+  MhaOutputs result;
   if (c.out_proj) {
     result.output = Tensor(DType::kF32, out_shape);
-    project(kOut, merged.data<float>(), N, result.output.data<float>(), out_width);
+    project(kOut, merged.data<float>(), N, result.output.data<float>(), out_width, options);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = counts[b]; t < n; ++t) {
         float* row = result.output.data<float>() + (b * l.batch_rows() + t * l.time_rows()) * out_width;

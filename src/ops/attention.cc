@@ -7,7 +7,7 @@
 #include "kernels/cpu/flash.h"
 #include "kernels/ref/attention_ref.h"
 #include "ops/attention_internal.h"
-#include "ops/attention_params.h"
+#include "ops/attention_checks.h"
 #include "util/parallel.h"
 
 namespace mha {

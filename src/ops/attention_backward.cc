@@ -4,7 +4,7 @@
 #include "kernels/cpu/flash.h"
 #include "kernels/ref/attention_bwd_ref.h"
 #include "mha/attention.h"
-#include "ops/attention_params.h"
+#include "ops/attention_checks.h"
 #include "util/check.h"
 #include "util/parallel.h"
 
@@ -25,7 +25,7 @@ void check_like(const View<float>& g, const View<const float>& like, const char*
 }  // namespace
 
 void attention_backward(const AttentionInputs& in, const View<const float>& out, const View<const float>& lse,
-                        const View<const float>& grad_out, const AttentionGrads& grads,
+                        const View<const float>& grad_out, const AttentionInputGrads& grads,
                         const AttentionOptions& options) {
   MHA_CHECK(out.given() && lse.given(), "attention_backward: needs the forward's out and lse; got out {}, lse {}",
             shape_string(out), shape_string(lse));

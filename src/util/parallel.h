@@ -9,12 +9,24 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <string>
+
+#include "mha/attention.h"
+#include "mha/error.h"
 
 namespace mha {
 
-// 0 means "all available" (OMP_NUM_THREADS or the core count).
+// The threads a call runs on. 0 means "all available" (OMP_NUM_THREADS or the core count).
+// Outside [0, kMaxThreads] is an mha::Error (an OpenMP runtime that cannot create the threads
+// ends the process instead of failing). More than 4 per core is clamped: results do not depend on
+// the thread count, and oversubscription only slows a call down.
 inline int resolve_threads(int requested) {
-  return requested > 0 ? requested : omp_get_max_threads();
+  if (requested < 0 || requested > kMaxThreads) {
+    throw Error("num_threads must be in [0, " + std::to_string(kMaxThreads) + "] (0: all available); got " +
+                std::to_string(requested));
+  }
+  const int available = omp_get_max_threads();
+  return std::min(requested > 0 ? requested : available, std::max(4 * omp_get_num_procs(), available));
 }
 
 // Runs f(t) for t in [0, n) on up to num_threads threads, tasks handed out one at a time in

@@ -7,13 +7,15 @@ plus 1e-5:  err(mha) <= 2 * err(torch float32) + 1e-5.  The 1e-5 is the C++ pari
 to its terms, so any float32 order is far from it in relative terms, torch's too).
 Rows that torch makes NaN because every key is masked are checked separately: mha gives zeros.
 """
-import math
-
 import numpy as np
 import pytest
 import torch
 
 import mha
+
+# The truth is torch 2.x (scripts/py-env.sh installs it): its own SDPA, autograd and
+# nn.MultiheadAttention paths, not re-implementations.
+assert int(torch.__version__.split(".")[0]) >= 2, f"the differential tests need torch 2.x; got {torch.__version__}"
 
 BOUND = 1e-5
 
@@ -49,40 +51,27 @@ def rel_error(got, want):
 
 
 def torch_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, dtype=torch.float64):
-    """torch's scaled_dot_product_attention in `dtype`: F.scaled_dot_product_attention when this
-    torch has it (2.x), else torch's documented reference implementation in torch ops."""
+    """torch 2.x's own F.scaled_dot_product_attention in `dtype`. torch refuses is_causal together
+    with attn_mask; that combination is given to it as one mask: the causal mask (top-left) AND a
+    bool mask, or the causal mask filled with -inf plus a float mask."""
     q, k, v = (torch.as_tensor(x).to(dtype) for x in (q, k, v))
     mask = None if attn_mask is None else torch.as_tensor(attn_mask)
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(dtype)
-    F = torch.nn.functional
-    if hasattr(F, "scaled_dot_product_attention") and not (is_causal and mask is not None):
-        kw = {"scale": scale}
-        if enable_gqa:
-            kw["enable_gqa"] = True
-        try:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **kw)
-        except TypeError:  # torch 2.0-2.4: no enable_gqa or scale
-            pass
-    return _reference(q, k, v, mask, is_causal, scale, enable_gqa)
-
-
-def _reference(q, k, v, mask, is_causal, scale, enable_gqa):
-    L, S = q.size(-2), k.size(-2)
-    scale_factor = 1 / math.sqrt(q.size(-1)) if scale is None else scale
-    bias = torch.zeros(L, S, dtype=q.dtype)
-    if is_causal:
-        bias = bias.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(diagonal=0), float("-inf"))
-    if mask is not None:
+    if is_causal and mask is not None:
+        causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
         if mask.dtype == torch.bool:
-            bias = bias.masked_fill(~mask, float("-inf"))
+            mask = mask & causal
         else:
-            bias = bias + mask
-    if enable_gqa and q.dim() >= 3 and k.size(-3) != q.size(-3):
-        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
-        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
-    w = q @ k.transpose(-2, -1) * scale_factor + bias
-    return torch.softmax(w, dim=-1) @ v
+            mask = mask.masked_fill(~causal, float("-inf"))
+        is_causal = False
+    # torch 2.15 fails (IndexError) on masks of lower rank than its (..., L, S) scores, which the
+    # SDPA contract allows: give it the same mask broadcast to full rank. enable_gqa needs a head
+    # dimension in torch (it indexes dim -3); without one it is moot.
+    if mask is not None:
+        mask = mask.expand(q.shape[:-1] + (k.size(-2),))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                            scale=scale, enable_gqa=enable_gqa and q.dim() >= 3)
 
 
 @pytest.fixture

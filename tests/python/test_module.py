@@ -34,7 +34,8 @@ def mha_case(draw):
         N=draw(st.integers(1, 3)), L=draw(st.integers(1, 12)), S=draw(st.integers(1, 12)),
         attn_mask=draw(st.sampled_from(["none", "bool2", "bool3", "float2", "float3", "causal"])),
         kpm=draw(st.sampled_from(["none", "bool", "float"])),
-        need_weights=draw(st.booleans()), average=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
+        need_weights=draw(st.booleans()), average=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)),
+        torch_grad=draw(st.booleans()))
 
 
 def build(c):
@@ -110,21 +111,23 @@ def test_matches_torch_multihead_attention(c):
     L, S, H = c["L"], (c["S"] if c["cross"] else c["L"]), c["heads"]
     n = c["N"] if c["batched"] else 1
     torch_mask, torch_kpm = am, kpm
-    if causal:  # torch 1.13 has no is_causal: the same mask, explicitly
+    if causal:  # torch's is_causal is a hint that needs the mask itself
         torch_mask = ~torch.ones(L, S, dtype=torch.bool).tril()
     if kpm is not None and kpm.dtype != torch.bool:
-        # A float key_padding_mask is added to the scores (torch 2.x; 1.13 cannot take one):
-        # give torch the sum as one float attn_mask of (n * H, L, S).
+        # A float key_padding_mask is added to the scores: give torch the sum as one float
+        # attn_mask of (n * H, L, S) (torch deprecates mixing mask kinds).
         base = torch.zeros(n, H, L, S)
         if torch_mask is not None:
             tm_ = torch_mask.reshape(n, H, L, S) if torch_mask.dim() == 3 else torch_mask
             base = base.masked_fill(tm_, float("-inf")) if tm_.dtype == torch.bool else base + tm_
         base = base + kpm.reshape(n, 1, 1, S)
         torch_mask, torch_kpm = base.reshape(n * H, L, S), None
-    # With grad enabled torch takes F.multi_head_attention_forward, its reference path (1.13's
-    # fused inference path crashes without biases).
-    want, want_w = tm(q, k, v, key_padding_mask=torch_kpm, need_weights=c["need_weights"], attn_mask=torch_mask,
-                      average_attn_weights=c["average"])
+    # With grad enabled torch takes F.multi_head_attention_forward (its SDPA or math path); under
+    # no_grad an eligible call (batched self-attention, batch_first, no weights, ...) takes the
+    # fused inference fast path. Both are drawn.
+    with torch.set_grad_enabled(c["torch_grad"]):
+        want, want_w = tm(q, k, v, key_padding_mask=torch_kpm, need_weights=c["need_weights"],
+                          attn_mask=torch_mask, average_attn_weights=c["average"], is_causal=causal)
     want = want.detach()
     want_w = None if want_w is None else want_w.detach()
     tm64 = copy.deepcopy(tm).double()  # the float64 truth the bound is measured from
@@ -158,6 +161,48 @@ def test_matches_torch_multihead_attention(c):
         within_bound(gw[keep], ww64[keep], ww[keep], "MultiheadAttention weights")
     else:
         assert got_w is None
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("mask", ["none", "key_padding_mask", "causal"])
+def test_matches_torch_fused_inference_fast_path(rng, need_weights, mask):
+    """torch's nn.MultiheadAttention fast path (torch._native_multi_head_attention): eval, no_grad,
+    batch_first, self-attention, biases (torch takes it only with them). The test checks that
+    torch takes it."""
+    E, H, N, L = 32, 4, 3, 11
+    torch.manual_seed(7)
+    tm = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    m = mha.MultiheadAttention.from_torch(tm)
+    x = torch.from_numpy(normal(rng, (N, L, E)))
+    kw = dict(need_weights=need_weights, average_attn_weights=False)
+    if mask == "key_padding_mask":
+        kpm = torch.zeros(N, L, dtype=torch.bool)
+        kpm[1, 7:] = True
+        kw["key_padding_mask"] = kpm
+    elif mask == "causal":
+        kw["attn_mask"] = ~torch.ones(L, L, dtype=torch.bool).tril()
+        kw["is_causal"] = True
+    calls = []
+    real = torch._native_multi_head_attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    torch._native_multi_head_attention = spy
+    try:
+        with torch.no_grad():
+            want, want_w = tm(x, x, x, **kw)
+    finally:
+        torch._native_multi_head_attention = real
+    assert calls, "torch did not take its fast path for this call"
+    with torch.no_grad():
+        x64 = x.double()
+        want64, want64_w = copy.deepcopy(tm).double()(x64, x64, x64, **kw)
+    got, got_w = m(x, x, x, **kw)
+    within_bound(got.numpy(), want64.numpy(), want.numpy(), "MultiheadAttention fast path")
+    if need_weights:
+        within_bound(got_w.numpy(), want64_w.numpy(), want_w.numpy(), "MultiheadAttention fast path weights")
 
 
 def test_numpy_inputs_and_state_dict_round_trip(rng):
@@ -258,3 +303,51 @@ def test_importing_torch_and_mha_in_either_order(order):
             "a, _ = m(x, x, x); b, _ = t(x, x, x)\n"
             "assert float((a - b).abs().max()) < 1e-4, float((a - b).abs().max())\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_eight_threads_share_one_module_with_mixed_settings(rng):
+    """Per-call settings: 8 Python threads calling one module at once, with training and
+    evaluation, weights or not, causal or not, give exactly the serial results."""
+    import threading
+
+    m = mha.MultiheadAttention(48, 6, dropout=0.25, batch_first=True, num_kv_heads=3)
+    xs = [torch.from_numpy(normal(rng, (2, 20 + 3 * t, 48))) for t in range(8)]
+
+    def call(t, k):
+        return m(xs[t], xs[t], xs[t], need_weights=k % 2 == 0, average_attn_weights=k % 4 == 0,
+                 is_causal=k % 3 == 0, training=(t + k) % 2 == 0, dropout_seed=1000 * t + k)
+
+    calls = 12
+    serial = [[call(t, k) for k in range(calls)] for t in range(8)]
+    results = [[None] * calls for _ in range(8)]
+    errors = []
+
+    def worker(t):
+        try:
+            for k in range(calls):
+                results[t][k] = call(t, k)
+        except Exception as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for t in range(8):
+        for k in range(calls):
+            (a, aw), (b, bw) = serial[t][k], results[t][k]
+            assert torch.equal(a, b), (t, k)
+            assert (aw is None) == (bw is None) and (aw is None or torch.equal(aw, bw)), (t, k)
+    # The settings took effect: call (0, 0) trains (dropout), the same call in evaluation differs.
+    evaluation, _ = m(xs[0], xs[0], xs[0], is_causal=True, training=False)
+    assert not torch.equal(serial[0][0][0], evaluation)
+
+
+def test_is_causal_uses_the_analytic_mask_and_matches_an_explicit_one(rng):
+    m = mha.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.from_numpy(normal(rng, (2, 37, 32)))
+    got, _ = m(x, x, x, is_causal=True, need_weights=False)
+    explicit, _ = m(x, x, x, attn_mask=~torch.ones(37, 37, dtype=torch.bool).tril(), need_weights=False)
+    assert rel_error(got.numpy(), explicit.numpy()) <= 1e-6

@@ -88,11 +88,11 @@ inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_
   t.rows = plan.rows;
   t.nvec = (static_cast<size_t>(t.rows) + N - 1) / N;
   t.mpad = t.nvec * N;
-  t.lo = ws.get<int32_t>(0, t.mpad);
-  t.hi = ws.get<int32_t>(1, t.mpad);
-  t.head = ws.get<int32_t>(8, t.mpad);
-  t.query = ws.get<int32_t>(9, t.mpad);
-  t.valid = ws.get<uint8_t>(10, t.mpad);
+  t.lo = ws.get<int32_t>(Workspace::kTileLo, t.mpad);
+  t.hi = ws.get<int32_t>(Workspace::kTileHi, t.mpad);
+  t.head = ws.get<int32_t>(Workspace::kTileHead, t.mpad);
+  t.query = ws.get<int32_t>(Workspace::kTileQuery, t.mpad);
+  t.valid = ws.get<uint8_t>(Workspace::kTileValid, t.mpad);
   std::fill(t.valid, t.valid + t.mpad, 0);
   std::fill(t.lo, t.lo + t.mpad, 0);
   std::fill(t.hi, t.hi + t.mpad, 0);
@@ -138,7 +138,7 @@ inline void PackTransposed(DF d, const TaskRows& t, const float* src, const Stri
 // Qt[d][r] = q[row r][d] · scale. (log2 e is applied later, to s - m: folding it in here
 // would add a rounding of every score that plain float32 does not have.)
 inline void PackQueries(DF d, const AttentionParams& p, const TaskRows& t, float* qt) {
-  PackTransposed(d, t, p.q, p.q_stride, p.qk_dim, p.scale, qt);
+  PackTransposed(d, t, p.q, p.q_stride, p.head_dim_qk, p.scale, qt);
 }
 
 enum class BlockKind { kSkip, kFull, kPartial };
@@ -196,12 +196,12 @@ inline KeyBlock MakeBlock(const AttentionParams& p, const TaskRows& t, int64_t j
 inline void MaskBlock(DF d, const AttentionParams& p, const TaskRows& t, const KeyBlock& k, float* st) {
   const size_t N = hn::Lanes(d);
   const int64_t jn = std::min(k.n, p.kv_len - k.a);  // keys that exist
-  if (p.bias) {
+  if (p.attn_bias) {
     for (size_t r = 0; r < t.mpad; ++r) {
       if (!t.valid[r]) continue;
-      const float* bias = p.bias + t.b * p.bias_stride[0] + t.head[r] * p.bias_stride[1] +
-                          t.query[r] * p.bias_stride[2] + k.a * p.bias_stride[3];
-      for (int64_t j = 0; j < jn; ++j) st[j * t.mpad + r] += bias[j * p.bias_stride[3]];
+      const float* bias = p.attn_bias + t.b * p.attn_bias_stride[0] + t.head[r] * p.attn_bias_stride[1] +
+                          t.query[r] * p.attn_bias_stride[2] + k.a * p.attn_bias_stride[3];
+      for (int64_t j = 0; j < jn; ++j) st[j * t.mpad + r] += bias[j * p.attn_bias_stride[3]];
     }
   }
   if (k.kind == BlockKind::kPartial) {

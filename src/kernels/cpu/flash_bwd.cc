@@ -113,24 +113,24 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   const DF d;
   const size_t N = hn::Lanes(d);
   const int64_t G = p.group(), Tq = p.q_len;
-  const size_t D = static_cast<size_t>(p.qk_dim), Dv = static_cast<size_t>(p.v_dim);
+  const size_t D = static_cast<size_t>(p.head_dim_qk), Dv = static_cast<size_t>(p.head_dim_v);
   const size_t Dp = RoundUp(D, N), Dvp = RoundUp(Dv, N);
   Workspace& ws = Workspace::local();
   const size_t mmax = RoundUp(static_cast<size_t>(plan.rows), N);
-  float* qt = ws.get<float>(2, D * mmax);       // Q transposed, scaled
-  float* st = ws.get<float>(3, kKeyBlock * mmax);  // scores, then P, then dS
-  float* dot = ws.get<float>(12, std::max<size_t>(Dv, 1) * mmax);  // dO transposed
-  float* dpt = ws.get<float>(13, kKeyBlock * mmax);  // dP
-  float* pdt = ws.get<float>(14, kKeyBlock * mmax);  // P with dropout (for dV)
-  float* qrows = ws.get<float>(15, mmax * Dp);
-  float* dorows = ws.get<float>(16, mmax * Dvp);
-  float* kblk = ws.get<float>(17, kKeyBlock * Dp);
-  float* dk = ws.get<float>(18, kKeyBlock * Dp);
-  float* dv = ws.get<float>(19, kKeyBlock * Dvp);
-  float* dq = ws.get<float>(20, static_cast<size_t>(G * Tq) * Dp);
-  float* lse = ws.get<float>(21, static_cast<size_t>(G * Tq));
-  float* drow = ws.get<float>(22, static_cast<size_t>(G * Tq));
-  float* rowvec = ws.get<float>(23, 2 * mmax);  // per q block: lse and D of its rows
+  float* qt = ws.get<float>(Workspace::kQueryT, D * mmax);       // Q transposed, scaled
+  float* st = ws.get<float>(Workspace::kScores, kKeyBlock * mmax);  // scores, then P, then dS
+  float* dot = ws.get<float>(Workspace::kBwdGradOutT, std::max<size_t>(Dv, 1) * mmax);  // dO transposed
+  float* dpt = ws.get<float>(Workspace::kBwdGradP, kKeyBlock * mmax);  // dP
+  float* pdt = ws.get<float>(Workspace::kBwdDroppedP, kKeyBlock * mmax);  // P with dropout (for dV)
+  float* qrows = ws.get<float>(Workspace::kBwdQueryRows, mmax * Dp);
+  float* dorows = ws.get<float>(Workspace::kBwdGradOutRows, mmax * Dvp);
+  float* kblk = ws.get<float>(Workspace::kBwdKeyBlock, kKeyBlock * Dp);
+  float* dk = ws.get<float>(Workspace::kBwdDkBlock, kKeyBlock * Dp);
+  float* dv = ws.get<float>(Workspace::kBwdDvBlock, kKeyBlock * Dvp);
+  float* dq = ws.get<float>(Workspace::kBwdDqGroup, static_cast<size_t>(G * Tq) * Dp);
+  float* lse = ws.get<float>(Workspace::kBwdLse, static_cast<size_t>(G * Tq));
+  float* drow = ws.get<float>(Workspace::kBwdRowDot, static_cast<size_t>(G * Tq));
+  float* rowvec = ws.get<float>(Workspace::kBwdRowStats, 2 * mmax);  // per q block: lse and D of its rows
   std::fill(dq, dq + static_cast<size_t>(G * Tq) * Dp, 0.0f);
 
   // Per row of the task: the forward's LSE and D = rowsum(dO ⊙ O).
@@ -170,9 +170,9 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       touched = true;
       const size_t M = t.mpad;
       PackQueries(d, p, t, qt);
-      PackTransposed(d, t, g.grad_out, g.grad_out_stride, p.v_dim, 1.0f, dot);
-      PackRows(t, p.q, p.q_stride, p.qk_dim, Dp, qrows);
-      PackRows(t, g.grad_out, g.grad_out_stride, p.v_dim, Dvp, dorows);
+      PackTransposed(d, t, g.grad_out, g.grad_out_stride, p.head_dim_v, 1.0f, dot);
+      PackRows(t, p.q, p.q_stride, p.head_dim_qk, Dp, qrows);
+      PackRows(t, g.grad_out, g.grad_out_stride, p.head_dim_v, Dvp, dorows);
       float* lse_r = rowvec;
       float* d_r = rowvec + M;
       for (size_t r = 0; r < M; ++r) {
@@ -187,7 +187,7 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       } else {
         ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
       }
-      if (k.kind == BlockKind::kPartial || p.bias) MaskBlock(d, p, t, k, st);
+      if (k.kind == BlockKind::kPartial || p.attn_bias) MaskBlock(d, p, t, k, st);
       // dP = V · dOᵀ for the same keys (rows of V past Tk read the last row; their P is 0).
       if (p.v_stride[3] == 1) {
         ScoresBlock<true>(d, dot, M, t.nvec, vbase, p.v_stride[2], 1, k.a, k.n, p.kv_len, Dv, dpt);
@@ -221,7 +221,7 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       Outer(d, pdt, 1, static_cast<int64_t>(M), dorows, Dvp, M, nv, Dvp, dv + koff * Dvp, Dvp);
       Outer(d, st, 1, static_cast<int64_t>(M), qrows, Dp, M, nv, Dp, dk + koff * Dp, Dp);
       // dQ[r] += Σ_j dS[j][r] · K[j]   (x = j, a = r), into the task's dQ rows.
-      float* dq_blk = ws.get<float>(11, M * Dp);
+      float* dq_blk = ws.get<float>(Workspace::kBwdDq, M * Dp);
       std::fill(dq_blk, dq_blk + M * Dp, 0.0f);
       Outer(d, st, static_cast<int64_t>(M), 1, kblk + koff * Dp, Dp, nv, M, Dp, dq_blk, Dp);
       for (size_t r = 0; r < M; ++r) {

@@ -142,16 +142,16 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const DF d;
   const size_t N = hn::Lanes(d), block = kBlockVecs * N;
   const int64_t R = p.group() * p.q_len;
-  const size_t D = static_cast<size_t>(p.qk_dim), Dv = static_cast<size_t>(p.v_dim);
+  const size_t D = static_cast<size_t>(p.head_dim_qk), Dv = static_cast<size_t>(p.head_dim_v);
   const size_t dvp = (Dv + N - 1) / N * N, ldq = (D + N - 1) / N * N;
   Workspace& ws = Workspace::local();
-  float* qs = ws.get<float>(0, R * ldq);
-  float* zrow = ws.get<float>(1, ldq);  // a missing key reads as zeros
+  float* qs = ws.get<float>(Workspace::kDecodeQuery, R * ldq);
+  float* zrow = ws.get<float>(Workspace::kDecodeZeroRow, ldq);  // a missing key reads as zeros
   std::fill(zrow, zrow + ldq, 0.0f);
-  float* s = ws.get<float>(2, R * block);
-  float* alpha = ws.get<float>(3, R);
-  int64_t* lo = ws.get<int64_t>(4, R);
-  int64_t* hi = ws.get<int64_t>(5, R);
+  float* s = ws.get<float>(Workspace::kDecodeScores, R * block);
+  float* alpha = ws.get<float>(Workspace::kDecodeRescale, R);
+  int64_t* lo = ws.get<int64_t>(Workspace::kDecodeLo, R);
+  int64_t* hi = ws.get<int64_t>(Workspace::kDecodeHi, R);
   const DecodeRows rows{R};
   int64_t ua = k1, ub = k0;
   for (int64_t r = 0; r < R; ++r) {
@@ -244,7 +244,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 // Merges the chunks of (b, hk) in order and writes out and lse.
 void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const float* o, const float* m,
            const float* l, size_t dvp) {
-  float* acc = Workspace::local().get<float>(7, static_cast<size_t>(p.v_dim));
+  float* acc = Workspace::local().get<float>(Workspace::kDecodeMerge, static_cast<size_t>(p.head_dim_v));
   const int64_t R = p.group() * p.q_len;
   const DecodeRows rows{R};
   for (int64_t r = 0; r < R; ++r) {
@@ -253,20 +253,20 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
     const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
     float* out = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
     float sum = 0.0f;
-    std::fill(acc, acc + p.v_dim, 0.0f);
+    std::fill(acc, acc + p.head_dim_v, 0.0f);
     if (mx != kNegInf) {
       for (int64_t s = 0; s < parts; ++s) {
         if (l[s * R + r] == 0.0f) continue;  // this chunk saw nothing of the row
         const float w = std::exp2((m[s * R + r] - mx) * kLog2e);
         sum += l[s * R + r] * w;
-        for (int64_t c = 0; c < p.v_dim; ++c) acc[c] += o[(s * R + r) * static_cast<int64_t>(dvp) + c] * w;
+        for (int64_t c = 0; c < p.head_dim_v; ++c) acc[c] += o[(s * R + r) * static_cast<int64_t>(dvp) + c] * w;
       }
     }
     bool nan_score = false;  // a NaN score of the row reaches l (never m: max drops NaN)
     for (int64_t s = 0; s < parts; ++s) nan_score |= std::isnan(l[s * R + r]);
     const bool masked = sum == 0.0f && !nan_score;
     bool nonfinite = nan_score;
-    for (int64_t c = 0; c < p.v_dim; ++c) {
+    for (int64_t c = 0; c < p.head_dim_v; ++c) {
       out[c * p.out_stride[3]] = masked ? 0.0f : acc[c] / sum;
       nonfinite |= !std::isfinite(out[c * p.out_stride[3]]);
     }
@@ -286,14 +286,14 @@ void FlashDecode(const AttentionParams& p, int num_threads) {
   const size_t N = hn::Lanes(d), block = kBlockVecs * N;
   const Split split = ChooseSplit(p, block);
   const int64_t heads = p.batch * p.kv_heads, R = p.group() * p.q_len;
-  const size_t dvp = (static_cast<size_t>(p.v_dim) + N - 1) / N * N;
+  const size_t dvp = (static_cast<size_t>(p.head_dim_v) + N - 1) / N * N;
   if (split.parts == 1) {
     // One chunk per (b, kv head): each task merges (normalises) its own result, one region.
     parallel_for(heads, num_threads, [&](int64_t bh) {
       Workspace& ws = Workspace::local();
-      float* o = ws.get<float>(8, static_cast<size_t>(R) * dvp);
-      float* m = ws.get<float>(9, static_cast<size_t>(R));
-      float* l = ws.get<float>(10, static_cast<size_t>(R));
+      float* o = ws.get<float>(Workspace::kDecodeOut, static_cast<size_t>(R) * dvp);
+      float* m = ws.get<float>(Workspace::kDecodeMax, static_cast<size_t>(R));
+      float* l = ws.get<float>(Workspace::kDecodeSum, static_cast<size_t>(R));
       DecodeChunk(p, bh / p.kv_heads, bh % p.kv_heads, 0, p.kv_len, o, m, l);
       Merge(p, bh / p.kv_heads, bh % p.kv_heads, 1, o, m, l, dvp);
     });
@@ -303,9 +303,9 @@ void FlashDecode(const AttentionParams& p, int num_threads) {
   // floats, the size of the output times S; 64-byte aligned.
   const size_t rows = static_cast<size_t>(heads * split.parts * R);
   Workspace& ws = Workspace::local();
-  float* o = ws.get<float>(8, rows * dvp);
-  float* m = ws.get<float>(9, rows);
-  float* l = ws.get<float>(10, rows);
+  float* o = ws.get<float>(Workspace::kDecodeOut, rows * dvp);
+  float* m = ws.get<float>(Workspace::kDecodeMax, rows);
+  float* l = ws.get<float>(Workspace::kDecodeSum, rows);
   parallel_for(heads * split.parts, num_threads, [&](int64_t t) {
     const int64_t bh = t / split.parts, s = t % split.parts;
     const size_t at = static_cast<size_t>(t * R);
@@ -333,7 +333,7 @@ void flash_decode(const AttentionParams& p, int num_threads) { HWY_DYNAMIC_DISPA
 std::string flash_decode_name() { return HWY_DYNAMIC_DISPATCH(FlashDecodeName)(); }
 
 bool decode_applies(const AttentionParams& p) {
-  return p.group() * p.q_len <= kMaxDecodeRows && p.kv_len >= p.q_len && !p.keep && !p.bias && !p.weights &&
+  return p.group() * p.q_len <= kMaxDecodeRows && p.kv_len >= p.q_len && !p.keep && !p.attn_bias && !p.weights &&
          p.dropout_p == 0.0f && p.q_len > 0 && p.batch > 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1;
 }
 

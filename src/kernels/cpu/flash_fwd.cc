@@ -75,7 +75,7 @@ void OutputBlock(DF d, const float* st, size_t ldq, size_t nvec, const float* v,
 // nonfinite[r] for rows with a NaN or infinity in their output.
 void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* ot, const float* inv,
                uint8_t* nonfinite) {
-  const size_t N = hn::Lanes(d), M = t.mpad, Dv = static_cast<size_t>(p.v_dim);
+  const size_t N = hn::Lanes(d), M = t.mpad, Dv = static_cast<size_t>(p.head_dim_v);
   auto out_row = [&](size_t r) {
     return p.out + t.b * p.out_stride[0] + t.head[r] * p.out_stride[1] + t.query[r] * p.out_stride[2];
   };
@@ -120,13 +120,13 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   const TaskCoords c = task_coords(p, plan, task);
   Workspace& ws = Workspace::local();
   const TaskRows t = MakeRows(p, plan, c.b, c.hk, c.qb, N, ws);
-  const size_t M = t.mpad, D = static_cast<size_t>(p.qk_dim), Dv = static_cast<size_t>(p.v_dim);
-  float* qt = ws.get<float>(2, D * M);
-  float* st = ws.get<float>(3, kKeyBlock * M);
-  float* ot = ws.get<float>(4, std::max<size_t>(Dv, 1) * M);
-  float* m = ws.get<float>(5, M);
-  float* l = ws.get<float>(6, M);
-  float* alpha = ws.get<float>(7, M);
+  const size_t M = t.mpad, D = static_cast<size_t>(p.head_dim_qk), Dv = static_cast<size_t>(p.head_dim_v);
+  float* qt = ws.get<float>(Workspace::kQueryT, D * M);
+  float* st = ws.get<float>(Workspace::kScores, kKeyBlock * M);
+  float* ot = ws.get<float>(Workspace::kOutT, std::max<size_t>(Dv, 1) * M);
+  float* m = ws.get<float>(Workspace::kRowMax, M);
+  float* l = ws.get<float>(Workspace::kRowSum, M);
+  float* alpha = ws.get<float>(Workspace::kRescale, M);
   PackQueries(d, p, t, qt);
   std::fill(ot, ot + Dv * M, 0.0f);
   std::fill(m, m + M, kNegInf);
@@ -145,7 +145,7 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
     } else {
       ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
     }
-    if (k.kind == BlockKind::kPartial || p.bias) MaskBlock(d, p, t, k, st);
+    if (k.kind == BlockKind::kPartial || p.attn_bias) MaskBlock(d, p, t, k, st);
 
     // Online softmax, one vector of rows at a time; four partial maxima and sums per vector
     // keep the dependency chains short (k.n is a multiple of 4).
@@ -199,7 +199,7 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   // out = Ot / l; fully masked rows (l = 0) give zeros and LSE = -inf.
   float* inv = alpha;  // alpha is free now
   for (size_t r = 0; r < M; ++r) inv[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
-  uint8_t* nonfinite = ws.get<uint8_t>(11, M);
+  uint8_t* nonfinite = ws.get<uint8_t>(Workspace::kNonfinite, M);
   WriteRows(d, p, t, ot, inv, nonfinite);
   // A NaN or infinity in a value row is multiplied by P = 0 for the rows of the block that do
   // not see that key; recompute such rows so that it reaches exactly the rows attending to it.

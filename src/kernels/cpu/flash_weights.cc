@@ -35,10 +35,10 @@ void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t 
   const size_t N = hn::Lanes(d);
   Workspace& ws = Workspace::local();
   const TaskRows t = MakeRows(p, plan, b, hk, qb, N, ws);
-  const size_t M = t.mpad, D = static_cast<size_t>(p.qk_dim);
-  float* qt = ws.get<float>(2, D * M);
-  float* st = ws.get<float>(3, kKeyBlock * M);
-  float* shift = ws.get<float>(5, M);
+  const size_t M = t.mpad, D = static_cast<size_t>(p.head_dim_qk);
+  float* qt = ws.get<float>(Workspace::kQueryT, D * M);
+  float* st = ws.get<float>(Workspace::kScores, kKeyBlock * M);
+  float* shift = ws.get<float>(Workspace::kRowMax, M);
   PackQueries(d, p, t, qt);
   for (size_t r = 0; r < M; ++r) {
     const float lse = t.valid[r] ? row_lse[(b * p.q_heads + t.head[r]) * p.q_len + t.query[r]] : kNegInf;
@@ -54,7 +54,7 @@ void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t 
     } else {
       ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
     }
-    if (k.kind == BlockKind::kPartial || p.bias) MaskBlock(d, p, t, k, st);
+    if (k.kind == BlockKind::kPartial || p.attn_bias) MaskBlock(d, p, t, k, st);
     for (int64_t j = 0; j < k.n; ++j)
       for (size_t rv = 0; rv < t.nvec; ++rv) {
         float* s = st + j * M + rv * N;

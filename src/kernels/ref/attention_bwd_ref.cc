@@ -11,7 +11,7 @@ namespace mha::kernels {
 template <typename Acc>
 void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams& g, int64_t b, int64_t hk) {
   constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
-  const int64_t Tk = p.kv_len, D = p.qk_dim, Dv = p.v_dim;
+  const int64_t Tk = p.kv_len, D = p.head_dim_qk, Dv = p.head_dim_v;
   const Dropout dropout(p.dropout_p, p.dropout_seed);
   std::vector<Acc> dk(Tk * D, Acc(0)), dv(Tk * Dv, Acc(0)), score(Tk), prob(Tk), dprob(Tk), dq(D);
   std::vector<bool> contributes(Tk);
@@ -45,9 +45,9 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
         Acc dot = 0;
         for (int64_t d = 0; d < D; ++d) dot += Q(d) * K(j, d);
         Acc s = static_cast<Acc>(p.scale) * dot;
-        if (p.bias) {
-          s += static_cast<Acc>(p.bias[b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] +
-                                       j * p.bias_stride[3]]);
+        if (p.attn_bias) {
+          s += static_cast<Acc>(p.attn_bias[b * p.attn_bias_stride[0] + h * p.attn_bias_stride[1] + i * p.attn_bias_stride[2] +
+                                       j * p.attn_bias_stride[3]]);
         }
         score[j] = s;
         nan |= std::isnan(s);

@@ -29,7 +29,7 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
   std::vector<Acc> score(Tk);
   std::vector<bool> visible(Tk);
   row.prob.assign(Tk, Acc(0));
-  row.out.assign(p.v_dim, Acc(0));
+  row.out.assign(p.head_dim_v, Acc(0));
 
   // Scores of the visible keys.
   for (int64_t j = 0; j < Tk; ++j) {
@@ -40,12 +40,12 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
     if (!visible[j]) continue;
     const float* k = p.k + b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2];
     Acc dot = 0;
-    for (int64_t d = 0; d < p.qk_dim; ++d)
+    for (int64_t d = 0; d < p.head_dim_qk; ++d)
       dot += static_cast<Acc>(q[d * p.q_stride[3]]) * static_cast<Acc>(k[d * p.k_stride[3]]);
     Acc s = static_cast<Acc>(p.scale) * dot;
-    if (p.bias) {
-      s += static_cast<Acc>(p.bias[b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] +
-                                   j * p.bias_stride[3]]);
+    if (p.attn_bias) {
+      s += static_cast<Acc>(p.attn_bias[b * p.attn_bias_stride[0] + h * p.attn_bias_stride[1] + i * p.attn_bias_stride[2] +
+                                   j * p.attn_bias_stride[3]]);
     }
     score[j] = s;
   }
@@ -77,7 +77,7 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
   for (int64_t j = 0; j < Tk; ++j) {
     if (!contributes(j)) continue;  // value rows of keys that do not contribute are never read (no 0 * NaN)
     const float* v = p.v + b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2];
-    for (int64_t d = 0; d < p.v_dim; ++d) row.out[d] += row.prob[j] * static_cast<Acc>(v[d * p.v_stride[3]]);
+    for (int64_t d = 0; d < p.head_dim_v; ++d) row.out[d] += row.prob[j] * static_cast<Acc>(v[d * p.v_stride[3]]);
   }
   row.lse = fully_masked ? kNegInf : max + std::log(sum);
 }
@@ -85,7 +85,7 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
 template <typename Acc>
 void store_output(const AttentionParams& p, int64_t b, int64_t h, int64_t i, const HeadRow<Acc>& row) {
   float* o = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-  for (int64_t d = 0; d < p.v_dim; ++d) o[d * p.out_stride[3]] = static_cast<float>(row.out[d]);
+  for (int64_t d = 0; d < p.head_dim_v; ++d) o[d * p.out_stride[3]] = static_cast<float>(row.out[d]);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-#include "ops/attention_params.h"
+#include "ops/attention_checks.h"
 
 #include <cmath>
 #include <vector>
@@ -108,8 +108,8 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
   p.kv_heads = k.shape[1];
   p.q_len = q.shape[2];
   p.kv_len = k.shape[2];
-  p.qk_dim = q.shape[3];
-  p.v_dim = v.shape[3];
+  p.head_dim_qk = q.shape[3];
+  p.head_dim_v = v.shape[3];
   p.q = q.data;
   p.k = k.data;
   p.v = v.data;
@@ -123,10 +123,10 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
     check_data(in.keep_mask, "keep_mask");
     p.keep = in.keep_mask.data;
   }
-  if (in.bias.given()) {
-    p.bias_stride = broadcast_strides(in.bias, target, "bias");
-    check_data(in.bias, "bias");
-    p.bias = in.bias.data;
+  if (in.attn_bias.given()) {
+    p.attn_bias_stride = broadcast_strides(in.attn_bias, target, "bias");
+    check_data(in.attn_bias, "bias");
+    p.attn_bias = in.attn_bias.data;
   }
   if (in.key_lengths.given()) {
     const auto& len = in.key_lengths;
@@ -142,14 +142,15 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
     p.key_lengths_stride = len.stride[0];
   }
 
-  p.scale = options.scale ? *options.scale : 1.0f / std::sqrt(static_cast<float>(p.qk_dim));
+  p.scale = options.scale ? *options.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim_qk));
   MHA_CHECK(std::isfinite(p.scale), "attention: scale must be finite; got {}", p.scale);
   MHA_CHECK(options.dropout_p >= 0.0f && options.dropout_p <= 1.0f,
             "attention: dropout_p must be in [0, 1]; got {}", options.dropout_p);
   MHA_CHECK(options.window >= 0, "attention: window must be >= 0; got {}", options.window);
   MHA_CHECK(options.window == 0 || options.causal != Causal::kNone,
             "attention: a sliding window (window = {}) needs causal masking", options.window);
-  MHA_CHECK(options.num_threads >= 0, "attention: num_threads must be >= 0; got {}", options.num_threads);
+  MHA_CHECK(options.num_threads >= 0 && options.num_threads <= kMaxThreads,
+            "attention: num_threads must be in [0, {}] (0: all available); got {}", kMaxThreads, options.num_threads);
   p.causal = options.causal;
   p.window = options.window;
   p.dropout_p = options.dropout_p;
@@ -159,9 +160,9 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
   const auto& o = out.out;
   MHA_CHECK(o.given(), "attention: out is required");
   MHA_CHECK(o.rank == 4 && o.shape[0] == p.batch && o.shape[1] == p.q_heads && o.shape[2] == p.q_len &&
-                o.shape[3] == p.v_dim,
+                o.shape[3] == p.head_dim_v,
             "attention: out must have shape (B, Hq, Tq, Dv) = {}; got {}",
-            shape_string(std::vector<int64_t>{p.batch, p.q_heads, p.q_len, p.v_dim}.data(), 4),
+            shape_string(std::vector<int64_t>{p.batch, p.q_heads, p.q_len, p.head_dim_v}.data(), 4),
             shape_string(o));
   check_data(o, "out");
   p.out = o.data;
@@ -193,7 +194,7 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
 
   // Outputs may not overlap inputs or each other.
   const Extent inputs[] = {extent_of(q), extent_of(k), extent_of(v), extent_of(in.keep_mask),
-                           extent_of(in.bias), extent_of(in.key_lengths)};
+                           extent_of(in.attn_bias), extent_of(in.key_lengths)};
   const char* input_names[] = {"query", "key", "value", "keep_mask", "bias", "key_lengths"};
   const Extent outputs[] = {extent_of(o), extent_of(out.lse), extent_of(out.weights)};
   const char* output_names[] = {"out", "lse", "weights"};
