@@ -7,6 +7,9 @@
 #   3. the C++ suite under AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer)
 #   4. the C++ suite under ThreadSanitizer (clang, LLVM OpenMP with the Archer tool)
 #   5. each libFuzzer target for a short, bounded time on its committed corpus
+#   6. the installed package used by a separate C++ project (scripts/test-install.sh)
+#   7. with MHA_TEST_FRESH_DEMO=1 (set by .ci/run): the demo command in a clean Debian 12 root
+#      (scripts/fresh-machine.sh)
 # MHA_TEST_QUICK=1 runs stage 1 only. MHA_FUZZ_SECONDS sets stage 5's time per target (20).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,27 +59,27 @@ run_python() {
   return $status
 }
 
-echo "== 1/5: tests (Release)"
+echo "== 1/7: tests (Release)"
 scripts/build.sh
 run_ctest build || true
 
 if [ "$quick" != 1 ]; then
-  echo "== 2/5: Python package and its differential tests against torch"
+  echo "== 2/7: Python package and its differential tests against torch"
   run_python || true
 
-  echo "== 3/5: tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+  echo "== 3/7: tests under AddressSanitizer + UndefinedBehaviorSanitizer"
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_SANITIZE=address,undefined >/dev/null
   cmake --build build-asan -j"$jobs" >/dev/null
   run_ctest build-asan ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 || true
 
-  echo "== 4/5: tests under ThreadSanitizer"
+  echo "== 4/7: tests under ThreadSanitizer"
   archer=$(ls /usr/lib/llvm-*/lib/libarcher.so | sort -V | tail -1)
   cmake -S . -B build-tsan -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_SANITIZE=thread >/dev/null
   cmake --build build-tsan -j"$jobs" >/dev/null
   run_ctest build-tsan OMP_TOOL_LIBRARIES="$archer" \
     TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp allocator_may_return_null=1 halt_on_error=1" || true
 
-  echo "== 5/5: fuzzers, ${MHA_FUZZ_SECONDS:-20} s each on the committed corpora"
+  echo "== 5/7: fuzzers, ${MHA_FUZZ_SECONDS:-20} s each on the committed corpora"
   cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_FUZZERS=ON \
     -DMHA_BUILD_TESTS=OFF -DMHA_BUILD_TOOLS=OFF >/dev/null
   cmake --build build-fuzz -j"$jobs" >/dev/null
@@ -92,6 +95,16 @@ if [ "$quick" != 1 ]; then
       failed=$((failed + 1))
     fi
   done
+fi
+
+if [ "$quick" != 1 ]; then
+  echo "== 6/7: install, then build the README's C++ example against the installed package"
+  if scripts/test-install.sh build; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+fi
+
+if [ "${MHA_TEST_FRESH_DEMO:-0}" = 1 ]; then
+  echo "== 7/7: the demo command from a fresh clone in a clean Debian 12 root"
+  if scripts/fresh-machine.sh ./scripts/demo.sh; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
 fi
 
 echo "mha: $passed passed, $failed failed"
