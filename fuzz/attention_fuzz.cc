@@ -81,9 +81,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     ai.attn_bias = bias.view<float>();
   }
   if (in.flag()) {
-    lengths = Tensor(mha::DType::kI32, {B});
-    for (int64_t b = 0; b < B; ++b) lengths.data<int32_t>()[b] = static_cast<int32_t>(in.range(-1, Tk + 1));
-    ai.key_lengths = lengths.view<int32_t>();
+    lengths = Tensor(mha::DType::kI64, {B});
+    for (int64_t b = 0; b < B; ++b) lengths.data<int64_t>()[b] = static_cast<int64_t>(in.range(-1, Tk + 1));
+    ai.key_lengths = lengths.view<int64_t>();
   }
   mha::AttentionOptions opt;
   opt.causal = static_cast<mha::Causal>(in.range(0, 2));

@@ -46,7 +46,7 @@ View<T> view_of(const A& a, const char* name) {
   using U = std::remove_const_t<T>;
   const bool ok = a.dtype() == nb::dtype<U>() || (std::is_same_v<U, uint8_t> && a.dtype() == nb::dtype<bool>());
   if (!ok) {
-    const char* want = std::is_same_v<U, float> ? "float32" : std::is_same_v<U, uint8_t> ? "bool or uint8" : "int32";
+    const char* want = std::is_same_v<U, float> ? "float32" : std::is_same_v<U, uint8_t> ? "bool or uint8" : "int64";
     throw Error(std::string(name) + ": mha needs " + want + ", got " + dtype_label(a.dtype()));
   }
   if (a.ndim() < 1 || a.ndim() > 4) {
@@ -109,7 +109,7 @@ AttentionInputs inputs_of(const In& q, const In& k, const In& v, const std::opti
   in.value = view_of<const float>(v, "value");
   in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
   in.attn_bias = optional_view<const float>(bias, "attn_mask");
-  in.key_lengths = optional_view<const int32_t>(key_lengths, "key_lengths");
+  in.key_lengths = optional_view<const int64_t>(key_lengths, "key_lengths");
   return in;
 }
 

@@ -234,7 +234,7 @@ TEST_P(BackwardTest, RandomProblems) {
     }
     if (rng.coin(0.3)) {
       p.lengths = random_lengths(rng, p.B, p.Tk);
-      p.in.key_lengths = p.lengths.view<int32_t>();
+      p.in.key_lengths = p.lengths.view<int64_t>();
     }
     p.opt.causal = static_cast<Causal>(rng.range(0, 2));
     if (p.opt.causal != Causal::kNone && rng.coin(0.3)) p.opt.window = rng.range(1, 40);

@@ -93,10 +93,10 @@ TEST(EdgeCases, NaNReachesExactlyTheRowsThatAttendToIt) {
     }
   }
   // Masked away by key_lengths, the NaN is never read.
-  Tensor len(DType::kI32, {1});
-  len.data<int32_t>()[0] = 40;
+  Tensor len(DType::kI64, {1});
+  len.data<int64_t>()[0] = 40;
   Tensor out(DType::kF32, {1, 2, 96, 8});
-  attention({c.q.view<float>(), c.k.view<float>(), c.v.view<float>(), {}, {}, len.view<int32_t>()}, {out.view<float>()});
+  attention({c.q.view<float>(), c.k.view<float>(), c.v.view<float>(), {}, {}, len.view<int64_t>()}, {out.view<float>()});
   for (int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isfinite(out.data<float>()[i]));
 }
 

@@ -85,14 +85,14 @@ TEST(AttentionErrors, Masks) {
   b.in.attn_bias = bias.view<float>();
   expect_error([&] { b.run(); }, {"bias", "(3, 1, 1, 6)", "broadcast"});
   b.in.attn_bias = {};
-  Tensor len(DType::kI32, {3});
-  b.in.key_lengths = len.view<int32_t>();
+  Tensor len(DType::kI64, {3});
+  b.in.key_lengths = len.view<int64_t>();
   expect_error([&] { b.run(); }, {"key_lengths", "(2,)", "(3,)"});
-  Tensor len2(DType::kI32, {2});
-  len2.data<int32_t>()[1] = 7;
-  b.in.key_lengths = len2.view<int32_t>();
+  Tensor len2(DType::kI64, {2});
+  len2.data<int64_t>()[1] = 7;
+  b.in.key_lengths = len2.view<int64_t>();
   expect_error([&] { b.run(); }, {"key_lengths[1] = 7", "Tk = 6"});
-  len2.data<int32_t>()[1] = -1;
+  len2.data<int64_t>()[1] = -1;
   expect_error([&] { b.run(); }, {"key_lengths[1] = -1"});
 }
 

@@ -201,10 +201,10 @@ TEST_P(FlashTest, MasksWithFullyMaskedRowsAndBlocks) {
   check(p, 4);
   p.bias = random_tensor(rng, {p.Hq, 1, p.Tk});
   p.in.attn_bias = p.bias.view<float>();
-  p.lengths = Tensor(DType::kI32, {p.B});
-  p.lengths.data<int32_t>()[0] = 150;
-  p.lengths.data<int32_t>()[1] = 0;  // batch 1: every row fully masked
-  p.in.key_lengths = p.lengths.view<int32_t>();
+  p.lengths = Tensor(DType::kI64, {p.B});
+  p.lengths.data<int64_t>()[0] = 150;
+  p.lengths.data<int64_t>()[1] = 0;  // batch 1: every row fully masked
+  p.in.key_lengths = p.lengths.view<int64_t>();
   p.opt.causal = Causal::kBottomRight;
   p.opt.window = 40;
   check(p, 3);
@@ -249,7 +249,7 @@ TEST_P(FlashTest, RandomProblems) {
     }
     if (rng.coin(0.3)) {
       p.lengths = random_lengths(rng, p.B, p.Tk);
-      p.in.key_lengths = p.lengths.view<int32_t>();
+      p.in.key_lengths = p.lengths.view<int64_t>();
     }
     p.opt.causal = static_cast<Causal>(rng.range(0, 2));
     if (p.opt.causal != Causal::kNone && rng.coin(0.3)) p.opt.window = rng.range(1, 80);
@@ -289,14 +289,14 @@ TEST_P(FlashTest, DecodeShapes) {
   p.Tk = 5000;
   p.D = p.Dv = 96;
   p.make(rng);
-  p.lengths = Tensor(DType::kI32, {1});
-  p.lengths.data<int32_t>()[0] = 4321;
-  p.in.key_lengths = p.lengths.view<int32_t>();
+  p.lengths = Tensor(DType::kI64, {1});
+  p.lengths.data<int64_t>()[0] = 4321;
+  p.in.key_lengths = p.lengths.view<int64_t>();
   p.opt.causal = Causal::kBottomRight;
   check(p);
   p.opt.window = 700;
   check(p);
-  p.lengths.data<int32_t>()[0] = 0;  // nothing to see: zeros, LSE -inf
+  p.lengths.data<int64_t>()[0] = 0;  // nothing to see: zeros, LSE -inf
   check(p);
 }
 

@@ -208,7 +208,7 @@ struct FdProblem {
     }
     if (keep.defined()) in.keep_mask = keep.view<uint8_t>();
     if (bias.defined()) in.attn_bias = bias.view<float>();
-    if (lengths.defined()) in.key_lengths = lengths.view<int32_t>();
+    if (lengths.defined()) in.key_lengths = lengths.view<int64_t>();
     return in;
   }
   MhaCallOptions options(const FdCase& c) const {
@@ -241,8 +241,8 @@ TEST(ModuleBackward, MatchesFiniteDifferences) {
     }
     if (fc.attn_bias) p.bias = random_tensor(rng, {fc.Tq, fc.Tk});
     if (fc.lengths) {
-      p.lengths = Tensor(DType::kI32, {fc.B});
-      for (int64_t b = 0; b < fc.B; ++b) p.lengths.data<int32_t>()[b] = static_cast<int32_t>(fc.Tk - 2 * b);
+      p.lengths = Tensor(DType::kI64, {fc.B});
+      for (int64_t b = 0; b < fc.B; ++b) p.lengths.data<int64_t>()[b] = static_cast<int64_t>(fc.Tk - 2 * b);
     }
     p.r = random_tensor(rng, shape(fc.Tq, m.output_dim()));
 

@@ -170,13 +170,13 @@ TEST(Module, KeyLengthsEqualSuffixPadding) {
   MultiHeadAttention m(cfg(16, 2), 61);
   Rng rng(base_seed() + 7);
   const Tensor x = random_tensor(rng, {2, 6, 16});
-  Tensor len(DType::kI32, {2}), kpm(DType::kU8, {2, 6});
-  len.data<int32_t>()[0] = 4;
-  len.data<int32_t>()[1] = 6;
+  Tensor len(DType::kI64, {2}), kpm(DType::kU8, {2, 6});
+  len.data<int64_t>()[0] = 4;
+  len.data<int64_t>()[1] = 6;
   for (int64_t j = 4; j < 6; ++j) kpm.data<uint8_t>()[j] = 1;
   MhaInputs a, b;
   a.query = b.query = x.view<float>();
-  a.key_lengths = len.view<int32_t>();
+  a.key_lengths = len.view<int64_t>();
   b.key_padding_mask = kpm.view<uint8_t>();
   MhaCallOptions weights;
   weights.need_weights = true;

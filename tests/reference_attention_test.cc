@@ -69,7 +69,7 @@ Problem random_problem(Rng& rng, int64_t max_t = 40, int64_t max_d = 40) {
   }
   if (rng.coin(0.3)) {
     p.lengths = random_lengths(rng, p.B, p.Tk);
-    p.in.key_lengths = p.lengths.view<int32_t>();
+    p.in.key_lengths = p.lengths.view<int64_t>();
   }
   p.opt.causal = static_cast<Causal>(rng.range(0, 2));
   if (p.opt.causal != Causal::kNone && rng.coin(0.3)) p.opt.window = rng.range(1, 8);
@@ -157,9 +157,9 @@ TEST(ReferenceAttention, CausalAlignmentsDifferWhenLengthsDiffer) {
 
 TEST(ReferenceAttention, BottomRightAlignsWithKeyLengths) {
   Small s(2, 6);
-  Tensor len(DType::kI32, {1});
-  len.data<int32_t>()[0] = 4;
-  s.in.key_lengths = len.view<int32_t>();
+  Tensor len(DType::kI64, {1});
+  len.data<int64_t>()[0] = 4;
+  s.in.key_lengths = len.view<int64_t>();
   AttentionOptions opt;
   opt.causal = Causal::kBottomRight;
   s.run(opt);
@@ -197,9 +197,9 @@ TEST(ReferenceAttention, FullyMaskedRowsGiveZerosAndMinusInfLse) {
   Tensor keep(DType::kU8, {4});  // all false
   m.in.keep_mask = keep.view<uint8_t>();
   m.run({});
-  Tensor len(DType::kI32, {1});
+  Tensor len(DType::kI64, {1});
   Small l(3, 4);
-  l.in.key_lengths = len.view<int32_t>();
+  l.in.key_lengths = len.view<int64_t>();
   l.run({});
   Small n(3, 4);
   Tensor bias(DType::kF32, {1});

@@ -40,8 +40,8 @@ Tensor random_mask(Rng& rng, std::vector<int64_t> shape, double keep_probability
 }
 
 Tensor random_lengths(Rng& rng, int64_t B, int64_t Tk) {
-  Tensor t(DType::kI32, {B});
-  for (int64_t b = 0; b < B; ++b) t.data<int32_t>()[b] = static_cast<int32_t>(rng.range(0, Tk));
+  Tensor t(DType::kI64, {B});
+  for (int64_t b = 0; b < B; ++b) t.data<int64_t>()[b] = static_cast<int64_t>(rng.range(0, Tk));
   return t;
 }
 

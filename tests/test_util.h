@@ -35,7 +35,7 @@ class Rng {
 
 Tensor random_tensor(Rng& rng, std::vector<int64_t> shape, float scale = 1.0f);
 Tensor random_mask(Rng& rng, std::vector<int64_t> shape, double keep_probability);
-// Key lengths (B,) int32, each uniform in [0, Tk].
+// Key lengths (B,) int64, each uniform in [0, Tk].
 Tensor random_lengths(Rng& rng, int64_t B, int64_t Tk);
 
 // max |a - b| / max(max |b|, tiny): the norm-wise relative error used throughout (numerics.md).

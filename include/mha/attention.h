@@ -62,7 +62,7 @@ struct AttentionInputs {
   View<const float> value;            // (B, Hkv, Tk, Dv)
   View<const uint8_t> keep_mask;      // optional, broadcastable to (B, Hq, Tq, Tk); nonzero = attend
   View<const float> attn_bias;        // optional, broadcastable to (B, Hq, Tq, Tk); added to scores
-  View<const int32_t> key_lengths;    // optional (B,): 0 <= key_lengths[b] <= Tk
+  View<const int64_t> key_lengths;    // optional (B,): 0 <= key_lengths[b] <= Tk
 };
 
 struct AttentionOutputs {

@@ -72,7 +72,7 @@ struct MhaInputs {
   View<const uint8_t> keep_mask;       // optional, nonzero = attend
   View<const float> attn_bias;         // optional, added to scores
   View<const uint8_t> key_padding_mask;  // optional (B, Tk), nonzero = padding
-  View<const int32_t> key_lengths;     // optional (B,)
+  View<const int64_t> key_lengths;     // optional (B,)
 };
 
 // The settings of one call. None of them is stored in the module: calls with different

@@ -193,7 +193,7 @@ class Tensor {
 // tensor.
 Tensor to_tensor(const View<const float>& v);
 Tensor to_tensor(const View<const uint8_t>& v);
-Tensor to_tensor(const View<const int32_t>& v);
+Tensor to_tensor(const View<const int64_t>& v);
 
 }  // namespace mha
 

@@ -123,7 +123,12 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
                         f"element); got {lengths.shape}")
         if not np.issubdtype(lengths.dtype, np.integer):
             raise Error(f"scaled_dot_product_attention: key_lengths must be integers; got {lengths.dtype}")
-        p.lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+        # int64 throughout (never a narrowing cast: a wrapped length would run silently); the
+        # range [0, S] is checked in C++. Unsigned values past int64 cannot be a length.
+        if lengths.dtype.kind == "u" and lengths.size and lengths.max() > np.iinfo(np.int64).max:
+            raise Error(f"scaled_dot_product_attention: key_lengths[{int(lengths.argmax())}] = {int(lengths.max())} "
+                        f"is outside [0, S]")
+        p.lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     if scale is not None and not math.isfinite(scale):
         raise Error(f"scaled_dot_product_attention: scale must be finite; got {scale}")
     p.scale = None if scale is None else float(scale)

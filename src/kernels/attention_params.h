@@ -26,7 +26,7 @@ struct AttentionParams {
 
   const uint8_t* keep = nullptr;  Strides4 keep_stride{};  // nonzero = attend
   const float* attn_bias = nullptr;  Strides4 attn_bias_stride{};
-  const int32_t* key_lengths = nullptr;  int64_t key_lengths_stride = 0;
+  const int64_t* key_lengths = nullptr;  int64_t key_lengths_stride = 0;
 
   float scale = 1.0f;
   Causal causal = Causal::kNone;

@@ -18,7 +18,7 @@ class Workspace {
   // slots and the query/score blocks.
   enum Slot : int {
     // The tile of query rows (flash_blocks-inl.h): visible key range, head and query of each row.
-    kTileLo, kTileHi, kTileHead, kTileQuery, kTileValid,
+    kTileLo, kTileHi, kTileLoRel, kTileHiRel, kTileHead, kTileQuery, kTileValid,
     // Forward and weights passes (flash_fwd.cc, flash_weights.cc); the backward reuses the first two.
     kQueryT, kScores, kOutT, kRowMax, kRowSum, kRescale, kNonfinite,
     // Backward (flash_bwd.cc).

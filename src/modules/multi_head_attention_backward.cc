@@ -116,7 +116,7 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   ai.value = heads.v;
   ai.keep_mask = modules::view_or_empty<uint8_t>(t.keep);
   ai.attn_bias = modules::view_or_empty<float>(t.bias);
-  ai.key_lengths = modules::view_or_empty<int32_t>(t.lengths);
+  ai.key_lengths = modules::view_or_empty<int64_t>(t.lengths);
   const int64_t Hq = c.num_heads, dh = head_dim_v();
   const View<const float> out_heads = modules::heads_view(data(t.merged), lq, c.v_proj_dim, Hq, dh);
   const View<const float> dout_heads = modules::heads_view(dmerged.data<float>(), lq, c.v_proj_dim, Hq, dh);

@@ -69,7 +69,7 @@ MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, 
   AttentionOptions opt;
   opt.num_threads = options.num_threads;
   opt.backend = options.backend;
-  Tensor lengths(DType::kI32, {B});
+  Tensor lengths(DType::kI64, {B});
   std::vector<int64_t> offsets(static_cast<size_t>(B));
 
   const bool windowed = c.window > 0;
@@ -79,10 +79,10 @@ MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, 
     // Append first, then attend to the cache.
     cache.append(kh, vh, counts);
     for (int64_t b = 0; b < B; ++b) {
-      lengths.data<int32_t>()[b] = static_cast<int32_t>(cache.stored(b));
+      lengths.data<int64_t>()[b] = cache.stored(b);
       offsets[b] = cache.length(b) - counts[b];  // query i sits at position length - count + i
     }
-    const AttentionInputs ai{qh, cache.keys(), cache.values(), {}, {}, lengths.view<int32_t>()};
+    const AttentionInputs ai{qh, cache.keys(), cache.values(), {}, {}, lengths.view<int64_t>()};
     if (windowed) {
       attention(ai, ao, opt);  // the ring holds exactly the window: every stored key is visible
     } else {
@@ -109,12 +109,12 @@ MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, 
           for (int64_t e = 0; e < dv; ++e) vt.view<float>().at(b, h, kept + t, e) = vh.at(b, h, t, e);
         }
       }
-      lengths.data<int32_t>()[b] = static_cast<int32_t>(kept + counts[b]);
+      lengths.data<int64_t>()[b] = kept + counts[b];
       offsets[b] = kept;
     }
     opt.causal = Causal::kBottomRight;
     opt.window = c.window;
-    const AttentionInputs ai{qh, kt.view<float>(), vt.view<float>(), {}, {}, lengths.view<int32_t>()};
+    const AttentionInputs ai{qh, kt.view<float>(), vt.view<float>(), {}, {}, lengths.view<int64_t>()};
     ops::attention_with_offsets(ai, ao, opt, offsets.data());
     cache.append(kh, vh, counts);
   }

@@ -134,7 +134,7 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
               "attention: key_lengths must have shape (B,) = ({},); got {}", p.batch, shape_string(len));
     check_data(len, "key_lengths");
     for (int64_t b = 0; b < p.batch; ++b) {
-      const int32_t l = len.data[b * len.stride[0]];
+      const int64_t l = len.data[b * len.stride[0]];
       MHA_CHECK(l >= 0 && l <= p.kv_len, "attention: key_lengths[{}] = {} is outside [0, Tk = {}]", b, l,
                 p.kv_len);
     }

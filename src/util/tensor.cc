@@ -152,6 +152,6 @@ Tensor copy_view(const View<const T>& v) {
 
 Tensor to_tensor(const View<const float>& v) { return copy_view(v); }
 Tensor to_tensor(const View<const uint8_t>& v) { return copy_view(v); }
-Tensor to_tensor(const View<const int32_t>& v) { return copy_view(v); }
+Tensor to_tensor(const View<const int64_t>& v) { return copy_view(v); }
 
 }  // namespace mha

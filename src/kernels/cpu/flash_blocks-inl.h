@@ -71,10 +71,12 @@ struct TaskRows {
   int64_t rows;             // G · q_per_task (some invalid when nq < q_per_task)
   size_t mpad, nvec;        // rows padded to whole vectors
   uint8_t* valid;           // per padded row
-  int32_t* head;            // query head of the row
-  int32_t* query;           // query index of the row
-  int32_t* lo;              // visible key range [lo, hi) from causal/window/lengths
-  int32_t* hi;
+  int64_t* head;            // query head of the row
+  int64_t* query;           // query index of the row
+  int64_t* lo;              // visible key range [lo, hi) from causal/window/lengths
+  int64_t* hi;
+  int32_t* lo_rel;          // lo and hi relative to the block being masked (MaskBlock): int32
+  int32_t* hi_rel;          // lanes compare them, and they fit whatever the key count
   KeyRange keys;            // union over the task's rows
 };
 
@@ -88,10 +90,12 @@ inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_
   t.rows = plan.rows;
   t.nvec = (static_cast<size_t>(t.rows) + N - 1) / N;
   t.mpad = t.nvec * N;
-  t.lo = ws.get<int32_t>(Workspace::kTileLo, t.mpad);
-  t.hi = ws.get<int32_t>(Workspace::kTileHi, t.mpad);
-  t.head = ws.get<int32_t>(Workspace::kTileHead, t.mpad);
-  t.query = ws.get<int32_t>(Workspace::kTileQuery, t.mpad);
+  t.lo = ws.get<int64_t>(Workspace::kTileLo, t.mpad);
+  t.hi = ws.get<int64_t>(Workspace::kTileHi, t.mpad);
+  t.lo_rel = ws.get<int32_t>(Workspace::kTileLoRel, t.mpad);
+  t.hi_rel = ws.get<int32_t>(Workspace::kTileHiRel, t.mpad);
+  t.head = ws.get<int64_t>(Workspace::kTileHead, t.mpad);
+  t.query = ws.get<int64_t>(Workspace::kTileQuery, t.mpad);
   t.valid = ws.get<uint8_t>(Workspace::kTileValid, t.mpad);
   std::fill(t.valid, t.valid + t.mpad, 0);
   std::fill(t.lo, t.lo + t.mpad, 0);
@@ -103,10 +107,10 @@ inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_
       const int64_t r = g * plan.q_per_task + x, i = t.i0 + x;
       const KeyRange k = visible_keys(p, b, i);
       t.valid[r] = 1;
-      t.head[r] = static_cast<int32_t>(hk * p.group() + g);
-      t.query[r] = static_cast<int32_t>(i);
-      t.lo[r] = static_cast<int32_t>(k.lo);
-      t.hi[r] = static_cast<int32_t>(k.hi);
+      t.head[r] = hk * p.group() + g;
+      t.query[r] = i;
+      t.lo[r] = k.lo;
+      t.hi[r] = k.hi;
     }
   }
   t.keys = task_keys(p, b, t.i0, t.i0 + t.nq);
@@ -205,13 +209,19 @@ inline void MaskBlock(DF d, const AttentionParams& p, const TaskRows& t, const K
     }
   }
   if (k.kind == BlockKind::kPartial) {
+    // Each row's range relative to the block, clamped to [0, n]: int32 lanes, any key count.
+    for (size_t r = 0; r < t.mpad; ++r) {
+      t.lo_rel[r] = static_cast<int32_t>(std::clamp<int64_t>(t.lo[r] - k.a, 0, k.n));
+      t.hi_rel[r] = static_cast<int32_t>(std::clamp<int64_t>(t.hi[r] - k.a, 0, k.n));
+    }
     const hn::RebindToSigned<DF> di;
     for (int64_t j = 0; j < k.n; ++j) {
-      const auto jj = hn::Set(di, static_cast<int32_t>(k.a + j));
-      const auto jj1 = hn::Set(di, static_cast<int32_t>(k.a + j + 1));
+      const auto jj = hn::Set(di, static_cast<int32_t>(j));
+      const auto jj1 = hn::Set(di, static_cast<int32_t>(j + 1));
       for (size_t rv = 0; rv < t.nvec; ++rv) {
         // lo <= j < hi
-        const auto vis = hn::And(hn::Lt(hn::Load(di, t.lo + rv * N), jj1), hn::Lt(jj, hn::Load(di, t.hi + rv * N)));
+        const auto vis =
+            hn::And(hn::Lt(hn::Load(di, t.lo_rel + rv * N), jj1), hn::Lt(jj, hn::Load(di, t.hi_rel + rv * N)));
         float* s = st + j * t.mpad + rv * N;
         hn::Store(hn::IfThenElse(hn::RebindMask(d, vis), hn::Load(d, s), hn::Set(d, kNegInf)), d, s);
       }

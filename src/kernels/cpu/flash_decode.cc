@@ -14,6 +14,7 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_decode.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -198,10 +199,12 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     for (int64_t r = 0; r < R; ++r) {
       float* sr = s + r * block;
       auto mx = hn::Set(d, kNegInf);
+      // Key indices relative to the block fit int32 lanes whatever the key count (> 2^31 too).
+      const auto lo_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(lo[r] - j0, -1, jn) - 1));
+      const auto hi_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(hi[r] - j0, -1, jn)));
       for (size_t kv = 0; kv < kBlockVecs; ++kv) {
-        const auto j = hn::Iota(di, static_cast<int32_t>(j0 + kv * N));
-        const auto vis = hn::And(hn::Lt(hn::Set(di, static_cast<int32_t>(lo[r] - 1)), j),
-                                 hn::Lt(j, hn::Set(di, static_cast<int32_t>(hi[r]))));
+        const auto j = hn::Iota(di, static_cast<int32_t>(kv * N));
+        const auto vis = hn::And(hn::Lt(lo_rel, j), hn::Lt(j, hi_rel));
         const auto x = hn::IfThenElse(hn::RebindMask(d, vis), hn::Load(d, sr + kv * N), hn::Set(d, kNegInf));
         hn::Store(x, d, sr + kv * N);
         mx = hn::Max(mx, x);
