@@ -216,6 +216,7 @@ NB_MODULE(_mha, m) {
   using namespace mha::python;
   m.doc() = "mha's C++ core; use the mha package, not this module";
   nb::exception<Error>(m, "Error", PyExc_ValueError);
+  m.attr("MAX_THREADS") = kMaxThreads;  // the most threads a call may ask for
 
   m.def("attention", &attention_py, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("out"),
         nb::arg("keep_mask").none() = nb::none(), nb::arg("bias").none() = nb::none(),

@@ -3,6 +3,7 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <fstream>
@@ -67,7 +68,7 @@ TEST(Cli, ForwardRoundTripsEveryParityCase) {
 // Exit status 1 and a single line "mha: error: ..." mentioning `words`.
 void expect_cli_error(const std::string& args, const std::string& words) {
   const Result r = run(args);
-  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find(words), std::string::npos) << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
 }
@@ -104,6 +105,75 @@ TEST(Cli, BadInputIsAOneLineError) {
   }
   expect_cli_error("forward" + w + " --input " + temp_path("truncated.safetensors") + out + " --heads 4",
                    "safetensors");
+}
+
+// Hostile input to the command: option errors, a directory for a file, names with terminal
+// escape codes and bytes that are not UTF-8. Every one exits 1 with one printable line.
+TEST(Cli, OptionErrorsExitWithOneAndAShortMessage) {
+  const std::string dir = std::string(MHA_TEST_DATA) + "/parity/torch_mha_self";
+  const std::string files = " --weights " + dir + "/weights.safetensors --input " + dir +
+                            "/inputs.safetensors --output " + temp_path("opt.safetensors");
+  expect_cli_error("forward" + files + " --heads 0", "must be a positive integer; got '0'");
+  expect_cli_error("forward" + files + " --heads abc", "got 'abc'");
+  expect_cli_error("forward" + files + " --heads 4 --threads 100000", "[0, 256]");
+  expect_cli_error("forward" + files + " --heads 4 --threads -1", "got '-1'");
+  expect_cli_error("demo --threads 5000", "5000");
+  expect_cli_error("forward" + files, "--heads");  // required
+  expect_cli_error("forward" + files + " --heads 4 --no-such-option", "no-such-option");
+  expect_cli_error("no-such-command", "subcommand");
+  const Result r = run("forward" + files + " --heads 0");
+  EXPECT_LT(r.output.size(), 200u) << r.output;  // not the 309 digits of the double maximum
+  EXPECT_EQ(run("--help").status, 0);
+}
+
+TEST(Cli, ADirectoryForAFileIsNamed) {
+  const std::string dir = std::string(MHA_TEST_DATA) + "/parity/torch_mha_self";
+  expect_cli_error("forward --weights " + dir + " --input " + dir + "/inputs.safetensors --output " +
+                       temp_path("dir.safetensors") + " --heads 4",
+                   "is not a regular file (it is a directory)");
+}
+
+// True when `text` holds no byte a terminal would act on or could not display as UTF-8.
+bool printable_bytes(const std::string& text) {
+  for (unsigned char c : text)
+    if ((c < 0x20 && c != '\n') || c == 0x7f || c == 0xff || c == 0xfe) return false;
+  return true;
+}
+
+TEST(Cli, NamesFromFilesAreEscaped) {
+  const std::string dir = std::string(MHA_TEST_DATA) + "/parity/torch_mha_self";
+  const std::string w = " --weights " + dir + "/weights.safetensors";
+  const std::string out = " --output " + temp_path("esc.out.safetensors");
+  const std::string evil = "\x1b[31mred\x07\x1b]0;title\x07";
+  StateDict bad;
+  bad.emplace("x", Tensor(DType::kF32, {1, 2, 32}));
+  bad.emplace(evil, Tensor(DType::kU8, {2}));
+  write_safetensors(temp_path("evil.safetensors"), bad);
+  const Result r = run("forward" + w + " --input " + temp_path("evil.safetensors") + out + " --heads 4");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_TRUE(printable_bytes(r.output)) << r.output;
+  EXPECT_NE(r.output.find("unknown tensor '\\x1b[31mred\\x07\\x1b]0;title\\x07'"), std::string::npos) << r.output;
+
+  // An extra name in the weights: the note quoting it is escaped too.
+  SafetensorsFile weights = read_safetensors(dir + "/weights.safetensors");
+  weights.tensors.emplace(evil, Tensor(DType::kF32, {1}));
+  write_safetensors(temp_path("evil_weights.safetensors"), weights.tensors);
+  const Result n = run("forward --weights " + temp_path("evil_weights.safetensors") + " --input " + dir +
+                       "/inputs.safetensors" + out + " --heads 4");
+  EXPECT_EQ(n.status, 0) << n.output;
+  EXPECT_TRUE(printable_bytes(n.output)) << n.output;
+  EXPECT_NE(n.output.find("ignored '\\x1b[31mred"), std::string::npos) << n.output;
+
+  // A header naming a tensor with bytes that are not UTF-8 (written by hand: JSON writers refuse).
+  const std::string header = "{\"x\xff\xfe\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}";
+  std::string file(8, '\0');
+  for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  file += header + std::string(4, '\0');
+  std::ofstream(temp_path("notutf8.safetensors"), std::ios::binary) << file;
+  const Result u = run("forward" + w + " --input " + temp_path("notutf8.safetensors") + out + " --heads 4");
+  EXPECT_EQ(u.status, 1) << u.output;
+  EXPECT_TRUE(printable_bytes(u.output)) << u.output;
+  EXPECT_EQ(std::count(u.output.begin(), u.output.end(), '\n'), 1) << u.output;
 }
 
 TEST(Cli, DemoRuns) {

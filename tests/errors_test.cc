@@ -14,18 +14,6 @@
 namespace mha::test {
 namespace {
 
-// Runs f and checks that it throws mha::Error mentioning every one of `words`.
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& words) {
-  try {
-    f();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& w : words) EXPECT_NE(msg.find(w), std::string::npos) << "'" << w << "' not in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "no mha::Error thrown";
-}
-
 struct Buffers {
   Tensor q, k, v, out, lse, w;
   AttentionInputs in;

@@ -146,4 +146,15 @@ NaiveResult naive_attention(const AttentionInputs& in, const AttentionOptions& o
   return r;
 }
 
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& words) {
+  try {
+    f();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const auto& w : words) EXPECT_NE(msg.find(w), std::string::npos) << "'" << w << "' not in: " << msg;
+    return;
+  }
+  ADD_FAILURE() << "no mha::Error thrown";
+}
+
 }  // namespace mha::test

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,8 @@ double max_abs(const View<const float>& v);
 
 // Same memory layout, NaN-aware: true if both are NaN at the same places and equal elsewhere.
 bool bitwise_equal(const Tensor& a, const Tensor& b);
+// Runs f and checks that it throws mha::Error mentioning every one of `words`.
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& words);
 
 // An independent naive attention in double: dense masks built element by element, K/V
 // repeated per query head, softmax through an explicit log-sum-exp. Outputs are contiguous

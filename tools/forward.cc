@@ -66,9 +66,11 @@ int run_forward(const ForwardArgs& args) {
               "--kv-heads {} disagrees with the weights, which have {} key/value heads", args.kv_heads,
               module.config().num_kv_heads);
   }
-  for (const auto& name : report.ignored) std::fprintf(stderr, "mha: note: ignored '%s' in the weights\n", name.c_str());
+  // Names come from the file: printed escaped, as every error message is.
+  for (const auto& name : report.ignored)
+    std::fprintf(stderr, "mha: note: ignored '%s' in the weights\n", printable(name).c_str());
   for (const auto& name : report.converted)
-    std::fprintf(stderr, "mha: note: converted '%s' to F32\n", name.c_str());
+    std::fprintf(stderr, "mha: note: converted '%s' to F32\n", printable(name).c_str());
 
   MhaInputs in;
   if (has_x) {

@@ -4,8 +4,40 @@
 
 #include <cstdio>
 
+#include "mha/attention.h"
 #include "mha/error.h"
 #include "tools/commands.h"
+
+namespace {
+
+// Positive integers up to 2^31 - 1, with a message that names the value (CLI11's PositiveNumber
+// prints the whole double range).
+const CLI::Validator kPositive(
+    [](std::string& value) -> std::string {
+      try {
+        size_t used = 0;
+        const long long v = std::stoll(value, &used);
+        if (used == value.size() && v >= 1 && v <= 2147483647) return "";
+      } catch (const std::exception&) {
+      }
+      return "must be a positive integer; got '" + value + "'";
+    },
+    "POSITIVE");
+
+// 0 (all available) to mha::kMaxThreads.
+const CLI::Validator kThreads(
+    [](std::string& value) -> std::string {
+      try {
+        size_t used = 0;
+        const long long v = std::stoll(value, &used);
+        if (used == value.size() && v >= 0 && v <= mha::kMaxThreads) return "";
+      } catch (const std::exception&) {
+      }
+      return fmt::format("must be an integer in [0, {}] (0: all available); got '{}'", mha::kMaxThreads, value);
+    },
+    "THREADS");
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"mha: multi-head attention on the CPU, checked against PyTorch"};
@@ -13,7 +45,7 @@ int main(int argc, char** argv) {
 
   int demo_threads = 0;
   CLI::App* demo = app.add_subcommand("demo", "Run the three seed modules on built-in inputs, fast path vs reference");
-  demo->add_option("--threads", demo_threads, "Threads (0: all)");
+  demo->add_option("--threads", demo_threads, "Threads (0: all)")->check(kThreads);
 
   mha::tools::ForwardArgs fa;
   CLI::App* fwd = app.add_subcommand("forward", "Run a MultiHeadAttention module from safetensors files");
@@ -21,8 +53,8 @@ int main(int argc, char** argv) {
   fwd->add_option("--input", fa.input, "Inputs: x, or query/key/value; optional keep_mask, attn_bias, key_padding_mask")
       ->required();
   fwd->add_option("--output", fa.output, "Where to write output (and attn_weights)")->required();
-  fwd->add_option("--heads", fa.heads, "Number of query heads")->required()->check(CLI::PositiveNumber);
-  fwd->add_option("--kv-heads", fa.kv_heads, "Key/value heads (default: inferred from the weights)");
+  fwd->add_option("--heads", fa.heads, "Number of query heads")->required()->check(kPositive);
+  fwd->add_option("--kv-heads", fa.kv_heads, "Key/value heads (default: inferred from the weights)")->check(kPositive);
   fwd->add_flag("--causal", fa.causal, "Causal masking");
   fwd->add_option("--causal-align", fa.causal_align, "top-left (PyTorch SDPA) or bottom-right (FlashAttention)")
       ->check(CLI::IsMember({"top-left", "bottom-right"}));
@@ -31,21 +63,21 @@ int main(int argc, char** argv) {
   fwd->add_option("--prefix", fa.prefix, "Name prefix of the module inside the weights file");
   fwd->add_flag("--seq-first", fa.seq_first, "Inputs are (T, B, E), PyTorch's batch_first=False");
   fwd->add_flag("--reference", fa.reference, "Use the plain double-accumulating reference path");
-  fwd->add_option("--threads", fa.threads, "Threads (0: all)");
+  fwd->add_option("--threads", fa.threads, "Threads (0: all)")->check(kThreads);
 
   mha::tools::TrainArgs ta;
   CLI::App* train = app.add_subcommand("train", "Train a small GPT built from mha layers to reverse digit sequences");
   train->add_option("--length", ta.length, "Digits per sequence")->check(CLI::Range(1, 64));
-  train->add_option("--steps", ta.steps, "Most training steps (stops at 99% token accuracy)")->check(CLI::PositiveNumber);
+  train->add_option("--steps", ta.steps, "Most training steps (stops at 99% token accuracy)")->check(kPositive);
   train->add_option("--lr", ta.lr, "Adam learning rate");
   train->add_option("--seed", ta.seed, "Seed of the weights and the data");
-  train->add_option("--threads", ta.threads, "Threads (0: all)");
+  train->add_option("--threads", ta.threads, "Threads (0: all)")->check(kThreads);
 
   CLI::App* info = app.add_subcommand("info", "Print this CPU's SIMD features and the kernels that run on it");
 
   mha::tools::BenchArgs ba;
   CLI::App* bench = app.add_subcommand("bench", "Benchmark attention and the module (GFLOP/s, % of measured peak)");
-  bench->add_option("--threads", ba.threads, "Threads");
+  bench->add_option("--threads", ba.threads, "Threads")->check(kThreads);
   bench->add_option("--seconds", ba.seconds, "Measuring time per case");
   bench->add_flag("--sweep", ba.sweep, "Also sweep the sequence length");
   bench->add_flag("--memory", ba.memory, "Only measure the peak memory of (1, 8, 32768, 64) attention");
@@ -54,7 +86,18 @@ int main(int argc, char** argv) {
   bench->add_option("--csv", ba.csv, "Write the table as CSV");
   bench->add_option("--json", ba.json, "Write the table as JSON");
 
-  CLI11_PARSE(app, argc, argv);
+  // Usage errors exit with 1, as every other error (CLI11's own codes are 100 and up); --help
+  // prints and exits with 0. Arguments quoted in messages are made printable.
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "mha: error: %s (see mha --help)\n", mha::printable(e.what()).c_str());
+    return 1;
+  }
   try {
     if (demo->parsed()) return mha::tools::run_demo(demo_threads);
     if (fwd->parsed()) return mha::tools::run_forward(fa);
@@ -65,7 +108,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "mha: error: %s\n", e.what());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "mha: error: %s\n", e.what());
+    std::fprintf(stderr, "mha: error: %s\n", mha::printable(e.what()).c_str());
     return 1;
   }
   return 0;

@@ -33,8 +33,9 @@ class KvCache {
 
   const KvCacheConfig& config() const { return config_; }
   int64_t capacity() const { return capacity_; }
-  // Positions seen by sequence b (may exceed the slots kept when windowed).
-  int64_t length(int64_t b) const { return length_[b]; }
+  // Positions seen by sequence b (may exceed the slots kept when windowed). b outside
+  // [0, batch) is an mha::Error, here and in stored().
+  int64_t length(int64_t b) const;
   // Slots of sequence b holding a position (min(length, window) when windowed).
   int64_t stored(int64_t b) const;
   void reset();
@@ -50,6 +51,7 @@ class KvCache {
 
  private:
   void reserve(int64_t slots);
+  void check_sequence(int64_t b, const char* accessor) const;
 
   KvCacheConfig config_;
   int64_t capacity_ = 0;

@@ -191,7 +191,10 @@ class MultiHeadAttention {
   View<const float> weight(Proj p) const;
   View<float> bias(Proj p);
   View<const float> bias(Proj p) const;
-  bool has_bias(Proj p) const { return has_bias_[p]; }
+  bool has_bias(Proj p) const {
+    check_proj(p);
+    return has_bias_[p];
+  }
 
  private:
   struct Dims {
@@ -199,6 +202,7 @@ class MultiHeadAttention {
     int64_t cols[4];  // input widths of q, k, v, out
   };
   Dims dims() const;
+  void check_proj(Proj p) const;  // an mha::Error unless p is kQ, kK, kV or kOut
   // y (rows × out, row stride ldy) = x (rows × in, contiguous) · Wᵀ + b of projection p, on the
   // module's backend.
   void project(Proj p, const float* x, int64_t rows, float* y, int64_t ldy, const MhaCallOptions& options) const;

@@ -30,6 +30,34 @@ def kind_of(*arrays):
     return kinds.pop() if kinds else "numpy"
 
 
+def check_array(x, name):
+    """x must be a numpy array or a torch tensor (lists and scalars are not converted silently)."""
+    if not (is_torch(x) or isinstance(x, np.ndarray)):
+        raise Error(f"{name}: expected a numpy array or a torch tensor; got {type(x).__name__}")
+    return x
+
+
+def check_number(x, name, lo=None, hi=None):
+    """A finite real number (not a bool or a string) in [lo, hi], as float."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise Error(f"{name} must be a number; got {type(x).__name__} {x!r}")
+    x = float(x)
+    if not np.isfinite(x) or (lo is not None and x < lo) or (hi is not None and x > hi):
+        bounds = f" in [{lo}, {hi}]" if lo is not None and hi is not None else ""
+        raise Error(f"{name} must be a finite number{bounds}; got {x}")
+    return x
+
+
+def check_int(x, name, lo, hi):
+    """An integer (not a bool, a float or a string) in [lo, hi], as int."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise Error(f"{name} must be an integer; got {type(x).__name__} {x!r}")
+    x = int(x)
+    if not lo <= x <= hi:
+        raise Error(f"{name} must be in [{lo}, {hi}]; got {x}")
+    return x
+
+
 def check_float32(x, name):
     if is_torch(x):
         torch = torch_module()
@@ -55,7 +83,9 @@ def native(x):
         if x.dtype == torch.bool:  # older torch cannot export bool through DLPack: a byte copy of the mask
             x = x.to(torch.uint8)
         return x
-    if any(s < 0 for s in x.strides) or not x.dtype.isnative:
+    if any(s < 0 or s % x.itemsize for s in x.strides) or not x.dtype.isnative:
+        # Negative strides, or byte strides that are not whole elements (views into packed bytes):
+        # the extension counts strides in elements, so such an array travels as a copy.
         return np.ascontiguousarray(x)
     return x
 

@@ -35,6 +35,12 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *unused):
+        # Grad mode is on in a backward exactly when the caller asked for create_graph=True: a
+        # double backward (e.g. a gradient penalty), which this kernel does not provide. Refuse
+        # it rather than return a first gradient without a graph (a silently wrong second one).
+        if torch.is_grad_enabled():
+            raise A.Error("mha.scaled_dot_product_attention: second-order gradients (create_graph=True) are not "
+                          "supported; compute that term with torch.nn.functional.scaled_dot_product_attention")
         q, k, v, out, lse = ctx.saved_tensors
         (scale, causal, window, dropout_p, seed, num_threads, backend, _, _, _) = ctx.params
         dq = torch.empty(q.shape, dtype=torch.float32)

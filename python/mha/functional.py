@@ -19,7 +19,6 @@ return_weights / average_weights, dropout_seed (reproducible dropout), num_threa
 With torch tensors that require grad (and grad mode on) the call is differentiable in query,
 key and value through mha's backward kernel (mha.autograd).
 """
-import math
 
 import numpy as np
 
@@ -57,7 +56,7 @@ class _Prepared:
 
 def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths):
     for x, n in ((query, "query"), (key, "key"), (value, "value")):
-        A.check_float32(x, n)
+        A.check_float32(x, f"scaled_dot_product_attention: {n}")
         if x.ndim < 2:
             raise Error(f"scaled_dot_product_attention: {n} needs at least 2 dimensions (..., T, E); got shape "
                         f"{tuple(x.shape)}")
@@ -71,6 +70,9 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
     Hq = qb[-1] if qb else 1
     Hk = kb[-1] if kb else 1
     Hv = vb[-1] if vb else 1
+    if Hq < 1 or Hk < 1:
+        raise Error(f"scaled_dot_product_attention: query {tuple(query.shape)} and key {tuple(key.shape)} need at "
+                    f"least one head each")
     if Hk != Hv:
         raise Error(f"scaled_dot_product_attention: key {tuple(key.shape)} and value {tuple(value.shape)} have "
                     f"different head counts")
@@ -92,6 +94,7 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
     p.v = _to4(value, lead or one, (Hk, S, Ev))
     p.keep = p.bias = None
     if attn_mask is not None:
+        A.check_array(attn_mask, "scaled_dot_product_attention: attn_mask")
         if A.is_torch(attn_mask) != A.is_torch(query):
             raise Error("scaled_dot_product_attention: attn_mask must be the same kind (torch/numpy) as query")
         score_rank = len(lead) + 3
@@ -117,6 +120,9 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
     p.causal = _ALIGN[causal_alignment] if is_causal else 0
     p.lengths = None
     if key_lengths is not None:
+        if isinstance(key_lengths, (list, tuple)):
+            key_lengths = np.array(key_lengths, dtype=object if any(
+                not isinstance(x, (int, np.integer)) or isinstance(x, bool) for x in key_lengths) else None)
         lengths = np.asarray(key_lengths.cpu() if A.is_torch(key_lengths) else key_lengths)
         if lengths.shape != (p.N,):
             raise Error(f"scaled_dot_product_attention: key_lengths must have shape ({p.N},) (one per batch "
@@ -129,9 +135,7 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
             raise Error(f"scaled_dot_product_attention: key_lengths[{int(lengths.argmax())}] = {int(lengths.max())} "
                         f"is outside [0, S]")
         p.lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-    if scale is not None and not math.isfinite(scale):
-        raise Error(f"scaled_dot_product_attention: scale must be finite; got {scale}")
-    p.scale = None if scale is None else float(scale)
+    p.scale = None if scale is None else A.check_number(scale, "scaled_dot_product_attention: scale")
     return p
 
 
@@ -162,11 +166,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """See the module docstring. Returns out, or a tuple (out, [lse], [weights]) with the extras
     asked for: lse (..., Hq, L), weights (..., Hq, L, S) or averaged over heads (..., L, S)."""
     kind = A.kind_of(query, key, value, attn_mask)
-    if not 0.0 <= dropout_p <= 1.0:
-        raise Error(f"scaled_dot_product_attention: dropout_p must be in [0, 1]; got {dropout_p}")
+    name = "scaled_dot_product_attention"
+    dropout_p = A.check_number(dropout_p, f"{name}: dropout_p", 0.0, 1.0)
+    num_threads = A.check_int(num_threads, f"{name}: num_threads", 0, _mha.MAX_THREADS)
     p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths)
-    p.window = int(window)
-    seed = int(dropout_seed) if dropout_seed is not None else (A.random_seed(kind) if dropout_p > 0 else 0)
+    p.window = A.check_int(window, f"{name}: window", 0, 2**63 - 1)
+    if dropout_seed is not None:
+        seed = A.check_int(dropout_seed, f"{name}: dropout_seed", 0, 2**64 - 1)
+    else:
+        seed = A.random_seed(kind) if dropout_p > 0 else 0
 
     needs_grad = False
     if kind == "torch":

@@ -37,7 +37,10 @@ def _numpy_state_dict(state_dict):
             t = t.numpy()
         t = np.asarray(t)
         if not np.issubdtype(t.dtype, np.floating):
-            continue  # buffers such as seed 000's causal mask: not weights
+            last = name.rsplit(".", 1)[-1]
+            if last.endswith("weight") or last.endswith("bias"):  # a weight's name, not a buffer's
+                raise Error(f"MultiheadAttention: '{name}' has dtype {t.dtype}; weights must be floating point")
+            continue  # buffers such as a causal-mask buffer of bools or ints: not weights
         out[name] = np.ascontiguousarray(t, dtype=np.float32)
     return out
 
@@ -146,6 +149,9 @@ class MultiheadAttention:
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False, *, keep_mask=None, dropout_seed=None, training=None):
+        for x, n in ((key_padding_mask, "key_padding_mask"), (attn_mask, "attn_mask"), (keep_mask, "keep_mask")):
+            if x is not None:
+                A.check_array(x, f"MultiheadAttention: {n}")
         kind = A.kind_of(query, key, value, key_padding_mask, attn_mask, keep_mask)
         self_attention = key is None or (key is query and value is query)
         if (key is None) != (value is None):
@@ -207,7 +213,8 @@ class MultiheadAttention:
                 bias = kp4 if bias is None else bias + kp4
         # Settings travel with the call (the C++ module holds none): threads may share a module.
         training = self.training if training is None else bool(training)
-        seed = dropout_seed
+        seed = None if dropout_seed is None else A.check_int(dropout_seed, "MultiheadAttention: dropout_seed", 0,
+                                                             2**64 - 1)
         if seed is None and training and self.dropout > 0:
             seed = A.random_seed(kind)
         out, weights = self._m.forward(A.native(q), None if self_attention else A.native(k),

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <vector>
@@ -157,11 +158,21 @@ SafetensorsFile parse_safetensors(const uint8_t* bytes, size_t size) {
 }
 
 SafetensorsFile read_safetensors(const std::string& path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  MHA_CHECK(!ec, "safetensors: cannot open '{}': {}", path, ec.message());
+  MHA_CHECK(std::filesystem::is_regular_file(status), "safetensors: '{}' is not a regular file{}", path,
+            std::filesystem::is_directory(status) ? " (it is a directory)" : "");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   MHA_CHECK(in.good(), "safetensors: cannot open '{}'", path);
   const std::streamoff size = in.tellg();
   MHA_CHECK(size >= 0, "safetensors: cannot read the size of '{}'", path);
-  std::vector<uint8_t> bytes(static_cast<size_t>(size));
+  std::vector<uint8_t> bytes;
+  try {
+    bytes.resize(static_cast<size_t>(size));
+  } catch (const std::bad_alloc&) {
+    throw Error(fmt::format("safetensors: '{}' ({} bytes) does not fit in memory", path, size));
+  }
   in.seekg(0);
   in.read(reinterpret_cast<char*>(bytes.data()), size);
   MHA_CHECK(in.good() || size == 0, "safetensors: cannot read '{}'", path);

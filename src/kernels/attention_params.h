@@ -41,6 +41,9 @@ struct AttentionParams {
   float* lse = nullptr;      Strides4 lse_stride{};     // (B, Hq, Tq), last entry unused
   float* weights = nullptr;  Strides4 weights_stride{}; // (B, Hq, Tq, Tk); head stride 0 if averaged
   bool weights_averaged = false;
+  // Set by the checks: no output element to write (no query row, or Dv = 0 without lse and
+  // weights). The op returns before any kernel runs.
+  bool no_work = false;
 
   int64_t group() const { return q_heads / kv_heads; }
   int64_t key_length(int64_t b) const {

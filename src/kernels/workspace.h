@@ -20,7 +20,8 @@ class Workspace {
     // The tile of query rows (flash_blocks-inl.h): visible key range, head and query of each row.
     kTileLo, kTileHi, kTileLoRel, kTileHiRel, kTileHead, kTileQuery, kTileValid,
     // Forward and weights passes (flash_fwd.cc, flash_weights.cc); the backward reuses the first two.
-    kQueryT, kScores, kOutT, kRowMax, kRowSum, kRescale, kNonfinite,
+    kQueryT, kScores, kOutT, kRowMax, kRowSum, kRescale, kNonfinite, kOutSpill, kRowSumSpill,
+    kRowMaxSpill,
     // Backward (flash_bwd.cc).
     kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats,

@@ -13,12 +13,26 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
             "KvCache: batch {}, kv_heads {}, head dims ({}, {}), capacity {}, window {}: all must be positive "
             "(batch, capacity and window may be 0)",
             c.batch, c.kv_heads, c.head_dim_qk, c.head_dim_v, c.capacity, c.window);
+  // The storage's element counts must fit int64 (Tensor checks the allocation itself).
+  const int64_t per_slot = checked_add(c.head_dim_qk, c.head_dim_v, "KvCache: head dims");
+  checked_mul(checked_mul(c.batch, c.kv_heads, "KvCache: batch · kv_heads"), per_slot, "KvCache: storage per slot");
   length_.assign(static_cast<size_t>(c.batch), 0);
   const int64_t initial = c.capacity > 0 ? c.capacity : 16;
   reserve(c.window > 0 ? std::min(initial, c.window) : initial);
 }
 
+void KvCache::check_sequence(int64_t b, const char* accessor) const {
+  MHA_CHECK(b >= 0 && b < config_.batch, "KvCache::{}: sequence {} is outside [0, batch = {})", accessor, b,
+            config_.batch);
+}
+
+int64_t KvCache::length(int64_t b) const {
+  check_sequence(b, "length");
+  return length_[b];
+}
+
 int64_t KvCache::stored(int64_t b) const {
+  check_sequence(b, "stored");
   return config_.window > 0 ? std::min(length_[b], config_.window) : length_[b];
 }
 

@@ -60,8 +60,19 @@ MultiHeadAttention::Dims MultiHeadAttention::dims() const {
 MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config, uint64_t seed)
     : config_(resolve_config(config)), seed_(seed) {
   const Dims d = dims();
-  in_weight_ = Tensor(DType::kF32, {d.rows[0] * d.cols[0] + d.rows[1] * d.cols[1] + d.rows[2] * d.cols[2]});
-  in_bias_ = Tensor(DType::kF32, {d.rows[0] + d.rows[1] + d.rows[2]});
+  int64_t in_weights = 0, in_rows = 0;  // sizes checked: a huge config is an error, not overflow
+  for (int p = 0; p < 3; ++p) {
+    in_weights = checked_add(in_weights, checked_mul(d.rows[p], d.cols[p], "MultiHeadAttention: weight elements"),
+                             "MultiHeadAttention: weight elements");
+    in_rows = checked_add(in_rows, d.rows[p], "MultiHeadAttention: projection rows");
+  }
+  checked_mul(d.rows[3], d.cols[3], "MultiHeadAttention: output projection elements");
+  try {
+    in_weight_ = Tensor(DType::kF32, {in_weights});
+  } catch (const Error& e) {
+    throw Error(std::string("MultiHeadAttention: the q/k/v weights: ") + e.what());
+  }
+  in_bias_ = Tensor(DType::kF32, {in_rows});
   if (config_.out_proj) {
     out_weight_ = Tensor(DType::kF32, {d.rows[3], d.cols[3]});
     out_bias_ = Tensor(DType::kF32, {d.rows[3]});
@@ -92,7 +103,13 @@ MultiHeadAttention::MultiHeadAttention(MultiHeadAttention&& other) noexcept
   std::copy(other.has_bias_, other.has_bias_ + 4, has_bias_);
 }
 
+void MultiHeadAttention::check_proj(Proj p) const {
+  MHA_CHECK(p >= kQ && p <= kOut, "MultiHeadAttention: projection {} is not one of kQ, kK, kV, kOut (0..3)",
+            static_cast<int>(p));
+}
+
 View<float> MultiHeadAttention::weight(Proj p) {
+  check_proj(p);
   const Dims d = dims();
   if (p == kOut) {
     MHA_CHECK(config_.out_proj, "MultiHeadAttention: this module has no output projection");
@@ -108,6 +125,7 @@ View<const float> MultiHeadAttention::weight(Proj p) const {
 }
 
 View<float> MultiHeadAttention::bias(Proj p) {
+  check_proj(p);
   if (!has_bias_[p]) return {};
   if (p == kOut) return out_bias_.view<float>();
   const Dims d = dims();
@@ -393,7 +411,8 @@ MhaOutputs MultiHeadAttention::forward(const MhaInputs& in, const MhaCallOptions
 
   const int64_t Hq = c.num_heads;
   const modules::Layout lq{B, Tq, batch_first}, lk{B, Tk, batch_first};
-  const int64_t Nq = B * Tq, Nk = B * Tk;
+  const int64_t Nq = checked_mul(B, Tq, "MultiHeadAttention: query rows B·Tq"),
+                Nk = checked_mul(B, Tk, "MultiHeadAttention: key rows B·Tk");
 
   // Projections. Self-attention with packed weights: one GEMM into rows of [q | k | v].
   Tensor qkv, kbuf, vbuf;

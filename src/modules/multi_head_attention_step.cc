@@ -50,7 +50,7 @@ MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, 
   }
 
   // One GEMM for the new positions' q, k and v.
-  const int64_t N = B * n;
+  const int64_t N = checked_mul(B, n, "MultiHeadAttention::step: rows B·n");
   const int64_t Hkv = c.num_kv_heads, dqk = head_dim_qk(), dv = head_dim_v();
   const modules::Rows xr = modules::contiguous_rows(x);
   Tensor qkv(DType::kF32, {N, d.rows[0] + d.rows[1] + d.rows[2]});

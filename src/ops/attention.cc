@@ -18,6 +18,7 @@ void run_attention(const AttentionInputs& in, const AttentionOutputs& out, const
                    const int64_t* causal_offset) {
   kernels::AttentionParams p = ops::make_attention_params(in, out, options);
   p.causal_offset = causal_offset;
+  if (p.no_work) return;
   if (options.backend == Backend::kReference) {
     // One task per (b, query row); each task computes every head of its row.
     parallel_for(p.batch * p.q_len, options.num_threads, [&](int64_t t) {

@@ -1,5 +1,6 @@
 #include "ops/attention_checks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -22,14 +23,35 @@ struct Extent {
   bool empty = true;
 };
 
+// Checks a view's dimensions (non-negative, element count within int64) and returns its element
+// count; `name` is used in errors.
 template <typename T>
-Extent extent_of(const View<T>& v) {
+int64_t checked_numel(const View<T>& v, const char* name) {
+  int64_t n = 1;
+  for (int i = 0; i < v.rank; ++i) {
+    MHA_CHECK(v.shape[i] >= 0, "attention: {} has a negative dimension: {}", name, shape_string(v));
+    if (__builtin_mul_overflow(n, v.shape[i], &n)) {
+      throw Error(fmt::format("attention: {} {} has more elements than int64 can count", name, shape_string(v)));
+    }
+  }
+  return v.given() ? n : 0;
+}
+
+template <typename T>
+Extent extent_of(const View<T>& v, const char* name) {
   Extent e;
-  if (!v.given() || v.numel() == 0) return e;
+  if (!v.given() || checked_numel(v, name) == 0) return e;
   int64_t lo = 0, hi = 0;
   for (int i = 0; i < v.rank; ++i) {
-    const int64_t span = (v.shape[i] - 1) * v.stride[i];
-    (span < 0 ? lo : hi) += span;
+    int64_t span, bytes;
+    bool overflow = __builtin_mul_overflow(v.shape[i] - 1, v.stride[i], &span);
+    int64_t& end = span < 0 ? lo : hi;
+    overflow = overflow || __builtin_add_overflow(end, span, &end) ||
+               __builtin_mul_overflow(end, static_cast<int64_t>(sizeof(T)), &bytes);
+    if (overflow) {
+      throw Error(fmt::format("attention: {} {} with strides {} spans more bytes than a 64-bit offset holds", name,
+                              shape_string(v), shape_string(v.stride.data(), v.rank)));
+    }
   }
   e.lo = reinterpret_cast<const char*>(v.data + lo);
   e.hi = reinterpret_cast<const char*>(v.data + hi) + sizeof(T) - 1;
@@ -43,7 +65,7 @@ bool overlaps(const Extent& a, const Extent& b) {
 
 template <typename T>
 void check_data(const View<T>& v, const char* name) {
-  MHA_CHECK(v.numel() == 0 || v.data != nullptr, "attention: {} {} has a null data pointer", name,
+  MHA_CHECK(checked_numel(v, name) == 0 || v.data != nullptr, "attention: {} {} has a null data pointer", name,
             shape_string(v));
 }
 
@@ -124,8 +146,8 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
     p.keep = in.keep_mask.data;
   }
   if (in.attn_bias.given()) {
-    p.attn_bias_stride = broadcast_strides(in.attn_bias, target, "bias");
-    check_data(in.attn_bias, "bias");
+    p.attn_bias_stride = broadcast_strides(in.attn_bias, target, "attn_bias");
+    check_data(in.attn_bias, "attn_bias");
     p.attn_bias = in.attn_bias.data;
   }
   if (in.key_lengths.given()) {
@@ -133,11 +155,6 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
     MHA_CHECK(len.rank == 1 && len.shape[0] == p.batch,
               "attention: key_lengths must have shape (B,) = ({},); got {}", p.batch, shape_string(len));
     check_data(len, "key_lengths");
-    for (int64_t b = 0; b < p.batch; ++b) {
-      const int64_t l = len.data[b * len.stride[0]];
-      MHA_CHECK(l >= 0 && l <= p.kv_len, "attention: key_lengths[{}] = {} is outside [0, Tk = {}]", b, l,
-                p.kv_len);
-    }
     p.key_lengths = len.data;
     p.key_lengths_stride = len.stride[0];
   }
@@ -192,11 +209,35 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
     p.weights_stride = averaged ? Strides4{w.stride[0], 0, w.stride[1], w.stride[2]} : strides_of(w);
   }
 
+  // Every count the kernels form fits int64: rows B·Hq·Tq, scores per head row·Tk, elements.
+  const int64_t rows =
+      checked_mul(checked_mul(p.batch, p.q_heads, "attention: B·Hq"), p.q_len, "attention: B·Hq·Tq (query rows)");
+  checked_mul(rows, std::max({p.kv_len, p.head_dim_qk, p.head_dim_v, int64_t{1}}), "attention: query rows · max(Tk, D)");
+  // Nothing to compute (no row, or Dv = 0 with neither lse nor weights asked for): the call
+  // returns at once, however large the other dimensions (see no_work()).
+  p.no_work = rows == 0 || (p.head_dim_v == 0 && !p.lse && !p.weights);
+  if (p.key_lengths && !p.no_work) {
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t l = p.key_lengths[b * p.key_lengths_stride];
+      MHA_CHECK(l >= 0 && l <= p.kv_len, "attention: key_lengths[{}] = {} is outside [0, Tk = {}]", b, l,
+                p.kv_len);
+    }
+  }
+  // Dropout draws are indexed by (b, h, i, j/4), each a 32-bit Philox counter word.
+  if (p.dropout_p > 0 && !p.no_work) {
+    constexpr int64_t kWord = int64_t{1} << 32;
+    MHA_CHECK(p.batch < kWord && p.q_heads < kWord && p.q_len < kWord && p.kv_len / 4 < kWord,
+              "attention: dropout indexes (batch, head, query, key / 4) with 32 bits each; got (B, Hq, Tq, Tk) = "
+              "({}, {}, {}, {})",
+              p.batch, p.q_heads, p.q_len, p.kv_len);
+  }
+
   // Outputs may not overlap inputs or each other.
-  const Extent inputs[] = {extent_of(q), extent_of(k), extent_of(v), extent_of(in.keep_mask),
-                           extent_of(in.attn_bias), extent_of(in.key_lengths)};
-  const char* input_names[] = {"query", "key", "value", "keep_mask", "bias", "key_lengths"};
-  const Extent outputs[] = {extent_of(o), extent_of(out.lse), extent_of(out.weights)};
+  const Extent inputs[] = {extent_of(q, "query"),         extent_of(k, "key"),
+                           extent_of(v, "value"),         extent_of(in.keep_mask, "keep_mask"),
+                           extent_of(in.attn_bias, "attn_bias"), extent_of(in.key_lengths, "key_lengths")};
+  const char* input_names[] = {"query", "key", "value", "keep_mask", "attn_bias", "key_lengths"};
+  const Extent outputs[] = {extent_of(o, "out"), extent_of(out.lse, "lse"), extent_of(out.weights, "weights")};
   const char* output_names[] = {"out", "lse", "weights"};
   for (int a = 0; a < 3; ++a) {
     for (int b = 0; b < 6; ++b)

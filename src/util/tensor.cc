@@ -68,7 +68,9 @@ Tensor::Tensor(DType dtype, std::vector<int64_t> shape)
   size_t bytes = static_cast<size_t>(n) * dtype_size(dtype);
   size_t padded = (bytes + 63) / 64 * 64 + 64;
   void* p = std::aligned_alloc(64, padded);
-  if (p == nullptr) throw Error(fmt::format("Tensor: cannot allocate {} bytes", padded));
+  if (p == nullptr) {
+    throw Error(fmt::format("Tensor: cannot allocate {} bytes for shape {}", padded, shape_string(shape_.data(), rank())));
+  }
   std::memset(p, 0, padded);
   storage_.reset(static_cast<std::byte*>(p));
 }

@@ -40,6 +40,7 @@ constexpr size_t kRowVecs = 3;
 // St tile (64 × 48 floats, 12 KiB), Qt and Ot (D × 48) stay in L1/L2.
 constexpr int64_t kTargetRows = 48;
 constexpr int64_t kKeyBlock = 64;
+constexpr int64_t kSpillBlocks = 1024;  // the forward folds its running sums every 1024 blocks (2^16 keys)
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

@@ -38,6 +38,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr size_t kBlockVecs = 4;  // keys per block: 4 vectors
 constexpr int64_t kPrefetchBlocks = 1;  // K and V are prefetched one block ahead
+constexpr int64_t kMaxChunkKeys = int64_t{1} << 16;  // keys per chunk at most (a multiple of any block)
 #if HWY_TARGET <= HWY_AVX3
 constexpr size_t kRowGroup = 6;   // 6 rows × 4 vectors = 24 accumulators
 #else
@@ -61,6 +62,9 @@ Split ChooseSplit(const AttentionParams& p, size_t block) {
   // of the shape only.
   const int64_t heads = p.batch * p.kv_heads;
   int64_t parts = std::max<int64_t>(1, std::min<int64_t>((8 + heads - 1) / heads, (p.kv_len + 255) / 256));
+  // A chunk sums at most kMaxChunkKeys keys in float (o and l stay accurate: 2^24 terms of 1.0
+  // would stop growing); chunks are merged in double.
+  parts = std::max(parts, (p.kv_len + kMaxChunkKeys - 1) / kMaxChunkKeys);
   int64_t chunk = (p.kv_len + parts - 1) / parts;
   chunk = (chunk + static_cast<int64_t>(block) - 1) / static_cast<int64_t>(block) * static_cast<int64_t>(block);
   parts = chunk > 0 ? (p.kv_len + chunk - 1) / chunk : 1;
@@ -247,7 +251,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 // Merges the chunks of (b, hk) in order and writes out and lse.
 void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const float* o, const float* m,
            const float* l, size_t dvp) {
-  float* acc = Workspace::local().get<float>(Workspace::kDecodeMerge, static_cast<size_t>(p.head_dim_v));
+  double* acc = Workspace::local().get<double>(Workspace::kDecodeMerge, static_cast<size_t>(p.head_dim_v));
   const int64_t R = p.group() * p.q_len;
   const DecodeRows rows{R};
   for (int64_t r = 0; r < R; ++r) {
@@ -255,12 +259,12 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
     for (int64_t s = 0; s < parts; ++s) mx = std::max(mx, m[s * R + r]);
     const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
     float* out = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-    float sum = 0.0f;
-    std::fill(acc, acc + p.head_dim_v, 0.0f);
+    double sum = 0.0;
+    std::fill(acc, acc + p.head_dim_v, 0.0);
     if (mx != kNegInf) {
       for (int64_t s = 0; s < parts; ++s) {
         if (l[s * R + r] == 0.0f) continue;  // this chunk saw nothing of the row
-        const float w = std::exp2((m[s * R + r] - mx) * kLog2e);
+        const double w = std::exp2((static_cast<double>(m[s * R + r]) - mx) * kLog2e);
         sum += l[s * R + r] * w;
         for (int64_t c = 0; c < p.head_dim_v; ++c) acc[c] += o[(s * R + r) * static_cast<int64_t>(dvp) + c] * w;
       }
@@ -270,12 +274,12 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
     const bool masked = sum == 0.0f && !nan_score;
     bool nonfinite = nan_score;
     for (int64_t c = 0; c < p.head_dim_v; ++c) {
-      out[c * p.out_stride[3]] = masked ? 0.0f : acc[c] / sum;
+      out[c * p.out_stride[3]] = masked ? 0.0f : static_cast<float>(acc[c] / sum);
       nonfinite |= !std::isfinite(out[c * p.out_stride[3]]);
     }
     if (p.lse) {
       p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
-          nan_score ? std::numeric_limits<float>::quiet_NaN() : masked ? kNegInf : mx + std::log(sum);
+          nan_score ? std::numeric_limits<float>::quiet_NaN() : masked ? kNegInf : static_cast<float>(mx + std::log(sum));
     }
     // As in the forward: a non-finite value must reach only the rows that attend to it.
     if (nonfinite) attention_ref_output_row(p, b, h, i);

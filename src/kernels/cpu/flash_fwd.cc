@@ -137,6 +137,35 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   const bool k_unit = p.k_stride[3] == 1, v_unit = p.v_stride[3] == 1;
   const Dropout drop(p.dropout_p, p.dropout_seed);
 
+  // Long rows: Ot and l are float running sums, and a float sum of 2^24 terms of 1.0 stops
+  // growing. Every kSpillBlocks key blocks they are folded into a second level (rescaled to the
+  // current max) and restarted, so no float sum takes more than kSpillBlocks·kKeyBlock terms.
+  // Rows of fewer keys never spill: their bits are those of the one-level loop.
+  float *ot_spill = nullptr, *l_spill = nullptr, *m_spill = nullptr;
+  int64_t blocks_since_spill = 0;
+  auto spill = [&] {
+    if (!ot_spill) {
+      ot_spill = ws.get<float>(Workspace::kOutSpill, std::max<size_t>(Dv, 1) * M);
+      l_spill = ws.get<float>(Workspace::kRowSumSpill, M);
+      m_spill = ws.get<float>(Workspace::kRowMaxSpill, M);
+      std::fill(ot_spill, ot_spill + Dv * M, 0.0f);
+      std::fill(l_spill, l_spill + M, 0.0f);
+      std::fill(m_spill, m_spill + M, kNegInf);
+    }
+    for (size_t r = 0; r < M; ++r) {
+      if (m[r] == kNegInf) continue;  // nothing visible so far: both levels are zero
+      const float f = m_spill[r] == kNegInf ? 0.0f : std::exp2((m_spill[r] - m[r]) * kLog2e);
+      for (size_t c = 0; c < Dv; ++c) {
+        ot_spill[c * M + r] = ot_spill[c * M + r] * f + ot[c * M + r];
+        ot[c * M + r] = 0.0f;
+      }
+      l_spill[r] = l_spill[r] * f + l[r];
+      l[r] = 0.0f;
+      m_spill[r] = m[r];
+    }
+    blocks_since_spill = 0;
+  };
+
   for (int64_t jb = t.keys.lo / kKeyBlock * kKeyBlock; jb < t.keys.hi; jb += kKeyBlock) {
     const KeyBlock k = MakeBlock(p, t, jb);
     if (k.kind == BlockKind::kSkip) continue;
@@ -194,6 +223,12 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
     } else {
       OutputBlock<false>(d, st, M, t.nvec, vblk, p.v_stride[2], p.v_stride[3], jn, Dv, alpha, ot);
     }
+    if (++blocks_since_spill == kSpillBlocks) spill();
+  }
+  if (ot_spill) {  // fold the last partial run in, then read the second level
+    spill();
+    ot = ot_spill;
+    l = l_spill;
   }
 
   // out = Ot / l; fully masked rows (l = 0) give zeros and LSE = -inf.

@@ -1,0 +1,242 @@
+// Hostile inputs, one class of defect per test group (docs/reliability.md lists the classes and
+// their guards): index widths past 2^31, accessor bounds, thread counts, degenerate and
+// overflowing sizes, dropout counters. Each must give a correct result or an mha::Error naming
+// the argument — never a crash, a hang, or a silently wrong answer.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "mha/attention.h"
+#include "mha/kv_cache.h"
+#include "mha/linear.h"
+#include "mha/multi_head_attention.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+constexpr int64_t kPast31 = (int64_t{1} << 31) + 5;  // more keys than an int32 index reaches
+
+// A (1, 1, T, D) view repeating one row (stride 0 over T): huge key counts cost no memory.
+View<const float> repeated(const float* row, int64_t T, int64_t D) {
+  return View<const float>(row, {1, 1, T, D}, {0, 0, 0, 1});
+}
+
+// ---- Index widths: key positions past 2^31 -------------------------------------------------
+
+// All keys visible: every score is 0 and every value row 1, so each output is 1 and the LSE is
+// log(Tk). Past 2^24 keys a float running sum of 1.0s stops growing (the decode path gave
+// 0.0625 here); the kernels bound every float sum's length and merge the parts.
+void expect_all_keys_seen(int64_t Tq, int64_t Tk) {
+  const float zero_row[4] = {0, 0, 0, 0}, one_row[4] = {1, 1, 1, 1};
+  Tensor q(DType::kF32, {1, 1, Tq, 4}), out(DType::kF32, {1, 1, Tq, 4}), lse(DType::kF32, {1, 1, Tq});
+  attention({q.view<float>(), repeated(zero_row, Tk, 4), repeated(one_row, Tk, 4)},
+            {out.view<float>(), lse.view<float>()});
+  for (int64_t i = 0; i < Tq; ++i) {
+    for (int d = 0; d < 4; ++d) ASSERT_NEAR(out.data<float>()[i * 4 + d], 1.0f, 1e-5f) << "row " << i;
+    EXPECT_NEAR(lse.data<float>()[i], std::log(static_cast<double>(Tk)), 1e-5 * std::log(static_cast<double>(Tk)));
+  }
+}
+
+TEST(HostileIndexWidths, LongRowsSumAccuratelyOnEveryPath) {
+  const int64_t Tk = (int64_t{1} << 25) + 3;  // past float's 2^24 integers
+  expect_all_keys_seen(1, Tk);   // decode path
+  expect_all_keys_seen(40, Tk);  // tiled path
+}
+
+// Every row must see exactly `expected_visible` keys (read from its LSE: all scores are 0) and
+// return the value rows' 1.0.
+void expect_window_rows(Causal causal, const View<const int64_t>& lengths, int64_t Tq, int64_t window,
+                        int64_t expected_visible, int num_threads) {
+  const float zero_row[4] = {0, 0, 0, 0}, one_row[4] = {1, 1, 1, 1};
+  Tensor q(DType::kF32, {1, 1, Tq, 4}), out(DType::kF32, {1, 1, Tq, 4}), lse(DType::kF32, {1, 1, Tq});
+  AttentionInputs in{q.view<float>(), repeated(zero_row, kPast31, 4), repeated(one_row, kPast31, 4)};
+  in.key_lengths = lengths;
+  AttentionOptions opt;
+  opt.causal = causal;
+  opt.window = window;
+  opt.num_threads = num_threads;
+  attention(in, {out.view<float>(), lse.view<float>()}, opt);
+  for (int64_t i = 0; i < Tq; ++i) {
+    for (int d = 0; d < 4; ++d) ASSERT_EQ(out.data<float>()[i * 4 + d], 1.0f) << "row " << i;
+    EXPECT_NEAR(lse.data<float>()[i], std::log(static_cast<double>(expected_visible)), 1e-6) << "row " << i;
+  }
+}
+
+TEST(HostileIndexWidths, WindowPast2To31Keys) {
+  // 32 queries aligned bottom-right on 2^31 + 5 keys, window 4: each row sees exactly 4 keys,
+  // all past index 2^31. The tile kept key ranges in int32: rows 26–31 came back 0.
+  expect_window_rows(Causal::kBottomRight, {}, 32, 4, 4, 0);
+  expect_window_rows(Causal::kBottomRight, {}, 97, 7, 7, 1);  // several query tiles
+  expect_window_rows(Causal::kBottomRight, {}, 1, 3, 3, 0);   // the decode path
+  expect_window_rows(Causal::kBottomRight, {}, 16, 70, 70, 2);
+}
+
+TEST(HostileIndexWidths, KeyLengthsPast2To31) {
+  // key_lengths are int64: a length past 2^31 is a length, not a wrapped negative number.
+  Tensor len(DType::kI64, {1});
+  len.data<int64_t>()[0] = kPast31 - 2;
+  expect_window_rows(Causal::kBottomRight, len.view<int64_t>(), 40, 5, 5, 0);
+  len.data<int64_t>()[0] = int64_t{1} << 32;  // past Tk: an error naming the argument
+  EXPECT_THROW(
+      {
+        try {
+          expect_window_rows(Causal::kBottomRight, len.view<int64_t>(), 1, 5, 5, 0);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("key_lengths[0] = 4294967296"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+}
+
+TEST(HostileIndexWidths, DropoutRefusesIndicesItsCounterCannotHold) {
+  const float row[4] = {0, 0, 0, 0};
+  Tensor q(DType::kF32, {1, 1, 1, 4}), out(DType::kF32, {1, 1, 1, 4});
+  const int64_t Tk = int64_t{1} << 35;  // key / 4 needs 33 bits
+  AttentionOptions opt;
+  opt.dropout_p = 0.5f;
+  expect_error([&] { attention({q.view<float>(), repeated(row, Tk, 4), repeated(row, Tk, 4)}, {out.view<float>()}, opt); },
+               {"dropout", "32 bits", "34359738368"});
+}
+
+// ---- Accessor bounds ------------------------------------------------------------------------
+
+TEST(HostileAccessors, KvCacheSequenceIndexIsChecked) {
+  KvCacheConfig c;
+  c.batch = 1;
+  c.head_dim_qk = c.head_dim_v = 4;
+  KvCache cache(c);
+  EXPECT_EQ(cache.length(0), 0);
+  for (int64_t b : {int64_t{-1}, int64_t{1}, int64_t{5}, int64_t{1000000000000}, std::numeric_limits<int64_t>::min()}) {
+    expect_error([&] { cache.length(b); }, {"KvCache::length", std::to_string(b), "batch = 1"});
+    expect_error([&] { cache.stored(b); }, {"KvCache::stored", std::to_string(b)});
+  }
+}
+
+TEST(HostileAccessors, ModuleProjectionAccessors) {
+  MultiHeadAttentionConfig c;
+  c.embed_dim = 8;
+  c.num_heads = 2;
+  c.out_proj = false;
+  MultiHeadAttention m(c);
+  expect_error([&] { m.weight(MultiHeadAttention::kOut); }, {"no output projection"});
+  expect_error([&] { m.weight(static_cast<MultiHeadAttention::Proj>(7)); }, {"projection", "7"});
+  expect_error([&] { m.bias(static_cast<MultiHeadAttention::Proj>(-1)); }, {"projection", "-1"});
+}
+
+// ---- Thread counts --------------------------------------------------------------------------
+
+TEST(HostileThreads, OutOfRangeCountsAreErrorsEverywhere) {
+  Rng rng(base_seed() + 500);
+  const Tensor q = random_tensor(rng, {1, 2, 9, 8});
+  Tensor out(DType::kF32, {1, 2, 9, 8});
+  for (int threads : {-1, kMaxThreads + 1, 5000, 100000}) {
+    AttentionOptions opt;
+    opt.num_threads = threads;
+    expect_error([&] { attention({q.view<float>(), q.view<float>(), q.view<float>()}, {out.view<float>()}, opt); },
+                 {"num_threads", std::to_string(threads)});
+    opt.backend = Backend::kReference;
+    expect_error([&] { attention({q.view<float>(), q.view<float>(), q.view<float>()}, {out.view<float>()}, opt); },
+                 {"num_threads", std::to_string(threads)});
+
+    MultiHeadAttentionConfig c;
+    c.embed_dim = 8;
+    c.num_heads = 2;
+    const MultiHeadAttention m(c);
+    const Tensor x = random_tensor(rng, {1, 5, 8});
+    MhaInputs in;
+    in.query = x.view<float>();
+    MhaCallOptions o;
+    o.num_threads = threads;
+    expect_error([&] { m.forward(in, o); }, {"num_threads", std::to_string(threads)});
+    KvCache cache = m.make_cache(1);
+    expect_error([&] { m.step(x.view<float>(), cache, {}, o); }, {"num_threads", std::to_string(threads)});
+
+    Tensor y(DType::kF32, {5, 8});
+    expect_error([&] { linear(View<const float>(x.data<float>(), {5, 8}), m.weight(MultiHeadAttention::kQ), {},
+                              y.view<float>(), threads); },
+                 {"num_threads", std::to_string(threads)});
+  }
+}
+
+TEST(HostileThreads, TheLargestCountRunsWithTheSameBits) {
+  Rng rng(base_seed() + 501);
+  const Tensor q = random_tensor(rng, {2, 3, 70, 16});
+  Tensor a(DType::kF32, {2, 3, 70, 16}), b(DType::kF32, {2, 3, 70, 16});
+  AttentionOptions opt;
+  opt.num_threads = 1;
+  attention({q.view<float>(), q.view<float>(), q.view<float>()}, {a.view<float>()}, opt);
+  opt.num_threads = kMaxThreads;  // clamped to a few per core: no thread-creation failure
+  attention({q.view<float>(), q.view<float>(), q.view<float>()}, {b.view<float>()}, opt);
+  EXPECT_TRUE(bitwise_equal(a, b));
+}
+
+// ---- Degenerate and overflowing sizes -------------------------------------------------------
+
+TEST(HostileSizes, NothingToComputeReturnsAtOnce) {
+  // 2^40 batches of an empty output (Dv = 0, stride 0): no element to write, no LSE asked for.
+  // This looped over every batch entry; a hang here fails by the test's timeout.
+  const float row[4] = {0, 0, 0, 0};
+  const int64_t B = int64_t{1} << 40;
+  const View<const float> q(row, {B, 2, 3, 4}, {0, 0, 0, 1});
+  const View<const float> k(row, {B, 1, 5, 4}, {0, 0, 0, 1});
+  const View<const float> v(row, {B, 1, 5, 0}, {0, 0, 0, 1});
+  float sink = 0;
+  const View<float> out(&sink, {B, 2, 3, 0}, {0, 0, 0, 1});
+  Tensor len(DType::kI64, {1});
+  const View<const int64_t> lengths(len.data<int64_t>(), {B}, {0});
+  for (Backend backend : {Backend::kFast, Backend::kReference}) {
+    AttentionOptions opt;
+    opt.backend = backend;
+    opt.causal = Causal::kBottomRight;
+    AttentionInputs in{q, k, v};
+    in.key_lengths = lengths;
+    attention(in, {out}, opt);
+  }
+}
+
+TEST(HostileSizes, CountsThatOverflowInt64AreErrors) {
+  const float row[4] = {0, 0, 0, 0};
+  const int64_t big = int64_t{1} << 40;
+  float sink[4] = {};
+  // Query rows · keys beyond int64.
+  {
+    const View<const float> q(row, {big, 1, big, 4}, {0, 0, 0, 1});
+    const View<const float> k(row, {big, 1, big, 4}, {0, 0, 0, 1});
+    const View<float> out(sink, {big, 1, big, 4}, {0, 0, 0, 1});
+    expect_error([&] { attention({q, k, k}, {out}); }, {"query", "int64"});
+  }
+  // A stride whose span does not fit a 64-bit byte offset.
+  {
+    const View<const float> q(row, {1, 1, 4, 4}, {0, 0, int64_t{1} << 62, 1});
+    Tensor out(DType::kF32, {1, 1, 4, 4});
+    expect_error([&] { attention({q, q, q}, {out.view<float>()}); }, {"query", "64-bit offset"});
+  }
+  // Negative dimensions in a hand-made view.
+  {
+    View<const float> q(row, {1, 1, 4, 4}, {0, 0, 4, 1});
+    q.shape[2] = -4;
+    Tensor out(DType::kF32, {1, 1, 4, 4});
+    expect_error([&] { attention({q, q, q}, {out.view<float>()}); }, {"negative"});
+  }
+}
+
+TEST(HostileSizes, ModuleAndCacheSizesAreChecked) {
+  MultiHeadAttentionConfig c;
+  c.embed_dim = int64_t{1} << 31;  // 3·E² weights: 64-bit overflow, not a "negative dimension"
+  c.num_heads = 1;
+  expect_error([&] { MultiHeadAttention m(c); }, {"MultiHeadAttention", "overflows 64 bits"});
+  c.embed_dim = int64_t{1} << 20;  // fits int64, far too large to allocate
+  expect_error([&] { MultiHeadAttention m(c); }, {"MultiHeadAttention", "cannot allocate", "(3298534883328,)"});
+  KvCacheConfig k;
+  k.batch = int64_t{1} << 40;
+  k.kv_heads = int64_t{1} << 30;
+  k.head_dim_qk = k.head_dim_v = 4;
+  expect_error([&] { KvCache cache(k); }, {"KvCache", "overflows 64 bits"});
+}
+
+}  // namespace
+}  // namespace mha::test
