@@ -102,22 +102,22 @@ AttentionOptions options_of(std::optional<float> scale, int causal, int64_t wind
 }
 
 AttentionInputs inputs_of(const In& q, const In& k, const In& v, const std::optional<In>& keep_mask,
-                          const std::optional<In>& bias, const std::optional<In>& key_lengths) {
+                          const std::optional<In>& attn_bias, const std::optional<In>& key_lengths) {
   AttentionInputs in;
   in.query = view_of<const float>(q, "query");
   in.key = view_of<const float>(k, "key");
   in.value = view_of<const float>(v, "value");
   in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
-  in.attn_bias = optional_view<const float>(bias, "attn_mask");
+  in.attn_bias = optional_view<const float>(attn_bias, "attn_mask");
   in.key_lengths = optional_view<const int64_t>(key_lengths, "key_lengths");
   return in;
 }
 
 void attention_py(const In& q, const In& k, const In& v, const Out& out, const std::optional<In>& keep_mask,
-                  const std::optional<In>& bias, const std::optional<In>& key_lengths, const std::optional<Out>& lse,
+                  const std::optional<In>& attn_bias, const std::optional<In>& key_lengths, const std::optional<Out>& lse,
                   const std::optional<Out>& weights, std::optional<float> scale, int causal, int64_t window,
                   float dropout_p, uint64_t dropout_seed, int num_threads, const std::string& backend) {
-  const AttentionInputs in = inputs_of(q, k, v, keep_mask, bias, key_lengths);
+  const AttentionInputs in = inputs_of(q, k, v, keep_mask, attn_bias, key_lengths);
   AttentionOutputs o;
   o.out = view_of<float>(out, "out");
   o.lse = optional_view<float>(lse, "lse");
@@ -129,10 +129,10 @@ void attention_py(const In& q, const In& k, const In& v, const Out& out, const s
 
 void attention_backward_py(const In& q, const In& k, const In& v, const In& out, const In& lse, const In& grad_out,
                            const Out& dq, const Out& dk, const Out& dv, const std::optional<In>& keep_mask,
-                           const std::optional<In>& bias, const std::optional<In>& key_lengths,
+                           const std::optional<In>& attn_bias, const std::optional<In>& key_lengths,
                            std::optional<float> scale, int causal, int64_t window, float dropout_p,
                            uint64_t dropout_seed, int num_threads, const std::string& backend) {
-  const AttentionInputs in = inputs_of(q, k, v, keep_mask, bias, key_lengths);
+  const AttentionInputs in = inputs_of(q, k, v, keep_mask, attn_bias, key_lengths);
   const AttentionInputGrads g{view_of<float>(dq, "grad_query"), view_of<float>(dk, "grad_key"), view_of<float>(dv, "grad_value")};
   const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend);
   const View<const float> o = view_of<const float>(out, "out"), l = view_of<const float>(lse, "lse");
@@ -219,14 +219,14 @@ NB_MODULE(_mha, m) {
   m.attr("MAX_THREADS") = kMaxThreads;  // the most threads a call may ask for
 
   m.def("attention", &attention_py, nb::arg("query"), nb::arg("key"), nb::arg("value"), nb::arg("out"),
-        nb::arg("keep_mask").none() = nb::none(), nb::arg("bias").none() = nb::none(),
+        nb::arg("keep_mask").none() = nb::none(), nb::arg("attn_bias").none() = nb::none(),
         nb::arg("key_lengths").none() = nb::none(), nb::arg("lse").none() = nb::none(),
         nb::arg("weights").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
         nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
         nb::arg("backend") = "auto");
   m.def("attention_backward", &attention_backward_py, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("out"), nb::arg("lse"), nb::arg("grad_out"), nb::arg("grad_query"), nb::arg("grad_key"),
-        nb::arg("grad_value"), nb::arg("keep_mask").none() = nb::none(), nb::arg("bias").none() = nb::none(),
+        nb::arg("grad_value"), nb::arg("keep_mask").none() = nb::none(), nb::arg("attn_bias").none() = nb::none(),
         nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
         nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
         nb::arg("backend") = "auto");

@@ -48,7 +48,7 @@ run_python() {
   fi
   local log status=0
   log=$(mktemp)
-  (cd build && "../$venv/bin/python" -m pytest -q -p no:cacheprovider ../tests/python) 2>&1 | tee "$log" || status=1
+  (cd build && "$venv/bin/python" -m pytest -q -p no:cacheprovider ../tests/python) 2>&1 | tee "$log" || status=1
   local ok bad
   ok=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | cut -d' ' -f1)
   bad=$(grep -Eo '[0-9]+ (failed|error)' "$log" | awk '{s += $1} END {print s + 0}')

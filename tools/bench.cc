@@ -13,6 +13,11 @@ int run_bench(const BenchArgs& args) {
   o.seconds = args.seconds;
   o.csv = args.csv;
   o.json = args.json;
+  if (args.peak) {
+    const double peak = std::max(bench::measure_peak_gflops(o.threads), bench::measure_peak_gflops(o.threads));
+    std::printf("fp32 FMA peak: %.1f GFLOP/s on %d threads\n", peak, o.threads);
+    return 0;
+  }
   if (args.decode) {
     bench::run_decode(o, nullptr);
     return 0;

@@ -26,6 +26,7 @@ struct BenchArgs {
   bool memory = false;
   bool decode = false;
   bool train = false;
+  bool peak = false;
   std::string csv, json;
 };
 

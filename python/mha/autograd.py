@@ -22,7 +22,7 @@ class AttentionFunction(torch.autograd.Function):
         weights = None
         if want_weights:
             weights = torch.empty((N, L, S) if average_weights else (N, Hq, L, S), dtype=torch.float32)
-        _mha.attention(q.detach(), k.detach(), v.detach(), out, keep_mask=A.native(keep), bias=A.native(bias),
+        _mha.attention(q.detach(), k.detach(), v.detach(), out, keep_mask=A.native(keep), attn_bias=A.native(bias),
                        key_lengths=lengths, lse=lse, weights=weights, scale=scale, causal=causal, window=window,
                        dropout_p=dropout_p, dropout_seed=seed, num_threads=num_threads, backend=backend)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -49,7 +49,7 @@ class AttentionFunction(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         _mha.attention_backward(q.detach(), k.detach(), v.detach(), out, lse, grad_out.contiguous(), dq, dk, dv,
-                                keep_mask=A.native(ctx.keep), bias=A.native(ctx.bias), key_lengths=ctx.lengths,
+                                keep_mask=A.native(ctx.keep), attn_bias=A.native(ctx.bias), key_lengths=ctx.lengths,
                                 scale=scale, causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
                                 num_threads=num_threads, backend=backend)
         return dq, dk, dv, None, None, None, None

@@ -153,7 +153,7 @@ def _run_forward(p, kind, dropout_p, seed, num_threads, backend, want_lse, want_
     if want_weights:
         weights = A.empty(kind, (p.N, p.L, p.S) if average_weights else (p.N, p.Hq, p.L, p.S))
     _mha.attention(A.native(p.q), A.native(p.k), A.native(p.v), out, keep_mask=A.native(p.keep),
-                   bias=A.native(p.bias), key_lengths=p.lengths, lse=lse, weights=weights, scale=p.scale,
+                   attn_bias=A.native(p.bias), key_lengths=p.lengths, lse=lse, weights=weights, scale=p.scale,
                    causal=p.causal, window=p.window, dropout_p=float(dropout_p), dropout_seed=seed,
                    num_threads=num_threads, backend=backend)
     return out, lse, weights

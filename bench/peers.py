@@ -1,0 +1,152 @@
+"""mha against the CPU peers, side by side in one process: PyTorch 2.x SDPA (fp32, bf16, fp16),
+OpenVINO's opset13 scaled_dot_product_attention (INFERENCE_PRECISION_HINT f32 and bf16: without
+the hint it may silently run bf16), ONNX Runtime's com.microsoft.MultiHeadAttention (fp32; inputs
+(B, T, H·D); its flash path has no causal mask, so causal rows show "—").
+
+Each cell: GFLOP/s (4·B·H·Tq·Tk·D, causal counting only the visible part), the relative error
+against torch float64 on the same (dtype-rounded) inputs, and mha fp32's speed over the cell's.
+Timing: the median of repeated calls over at least --seconds, after a warm-up; 2 threads for
+every library. Run through bench/peers.sh, which installs the peers; the fp32 FMA peak comes from
+`mha bench --peak` (--peak here).
+
+  python bench/peers.py --peak 542 [--seconds 1] [--markdown docs/bench/peers.md]
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import mha
+
+SHAPES = [  # (B, H, T, D, causal): the table of issue 12
+    (4, 12, 512, 64, False),
+    (1, 8, 4096, 64, False),
+    (1, 16, 2048, 128, True),
+    (8, 12, 128, 64, False),
+]
+THREADS = 2
+
+
+def flops(B, H, T, D, causal):
+    pairs = T * (T + 1) / 2 if causal else T * T
+    return 4.0 * B * H * pairs * D
+
+
+def median_seconds(fn, seconds):
+    fn()  # warm-up: compilation, first-touch pages, thread pools
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    time.sleep(0.05)  # let spinning pool threads go idle before the next library runs
+    return statistics.median(times)
+
+
+def rel_error(got, want):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def torch_case(q, k, v, causal, dtype):
+    a, b, c = (x.to(dtype) for x in (q, k, v))
+    run = lambda: torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal)  # noqa: E731
+    return run, lambda: run().float().numpy()
+
+
+def mha_case(q, k, v, causal):
+    a, b, c = (x.numpy() for x in (q, k, v))
+    run = lambda: mha.scaled_dot_product_attention(a, b, c, is_causal=causal)  # noqa: E731
+    return run, run
+
+
+def openvino_case(q, k, v, causal, precision):
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    params = [ops.parameter(list(x.shape), ov.Type.f32) for x in (q, k, v)]
+    out = ops.scaled_dot_product_attention(*params, causal=causal)
+    model = ov.Model([out], params)
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": precision,
+                                                      "INFERENCE_NUM_THREADS": THREADS})
+    request = compiled.create_infer_request()
+    inputs = [x.numpy() for x in (q, k, v)]
+    run = lambda: request.infer(inputs)  # noqa: E731
+    return run, lambda: np.array(run()[0])
+
+
+def onnxruntime_case(q, k, v, causal):
+    if causal:
+        return None
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    B, H, T, D = q.shape
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [B, T, H * D]) for n in ("q", "k", "v", "o")]
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain="com.microsoft", num_heads=H)
+    graph = helper.make_graph([node], "mha", io[:3], io[3:])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = THREADS
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {n: np.ascontiguousarray(x.permute(0, 2, 1, 3).reshape(B, T, H * D).numpy())
+             for n, x in zip(("q", "k", "v"), (q, k, v))}
+    run = lambda: session.run(None, feeds)  # noqa: E731
+    return run, lambda: run()[0].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peak", type=float, required=True, help="fp32 FMA peak in GFLOP/s (mha bench --peak)")
+    parser.add_argument("--bf16-peak", type=float, default=None, help="bf16 dot-product peak in GFLOP/s")
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--markdown", default=None, help="also write the table here")
+    args = parser.parse_args()
+    torch.set_num_threads(THREADS)
+    peers = [("torch fp32", lambda q, k, v, c: torch_case(q, k, v, c, torch.float32)),
+             ("torch bf16", lambda q, k, v, c: torch_case(q, k, v, c, torch.bfloat16)),
+             ("torch fp16", lambda q, k, v, c: torch_case(q, k, v, c, torch.float16)),
+             ("OpenVINO f32", lambda q, k, v, c: openvino_case(q, k, v, c, "f32")),
+             ("OpenVINO bf16", lambda q, k, v, c: openvino_case(q, k, v, c, "bf16")),
+             ("ORT fp32 MHA", onnxruntime_case)]
+    header = ["shape (B, H, T, D)", "mha fp32"] + [name for name, _ in peers]
+    rows = []
+    for B, H, T, D, causal in SHAPES:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
+        want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                                is_causal=causal).numpy()
+        work = flops(B, H, T, D, causal)
+        run, result = mha_case(q, k, v, causal)
+        mha_seconds = median_seconds(run, args.seconds)
+        cells = [f"{work / mha_seconds / 1e9:.0f} ({100 * work / mha_seconds / 1e9 / args.peak:.0f}% fp32 peak, "
+                 f"{rel_error(result(), want):.0e})"]
+        for name, make in peers:
+            case = make(q, k, v, causal)
+            if case is None:
+                cells.append("—")
+                continue
+            run, result = case
+            seconds = median_seconds(run, args.seconds)
+            cells.append(f"{work / seconds / 1e9:.0f} ({rel_error(result(), want):.0e}; mha {seconds / mha_seconds:.2f}×)")
+        shape = f"({B}, {H}, {T}, {D}){' causal' if causal else ''}"
+        rows.append([shape] + cells)
+        print(" | ".join([shape] + cells), flush=True)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    table = "\n".join(lines)
+    note = (f"\nGFLOP/s (relative error vs torch float64; mha fp32's speed over the cell's). fp32 FMA peak "
+            f"{args.peak:.0f} GFLOP/s" + (f", bf16 peak {args.bf16_peak:.0f}" if args.bf16_peak else "") +
+            f"; {THREADS} threads; torch {torch.__version__}.\n")
+    print("\n" + table + note)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n" + note)
+
+
+if __name__ == "__main__":
+    main()

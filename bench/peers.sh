@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# mha against PyTorch 2.x, OpenVINO and ONNX Runtime in one process (bench/peers.py), on this
+# machine's measured fp32 FMA peak. Installs the peers once into build/peer-pkgs (PyPI:
+# openvino, onnxruntime, onnx) next to the cached torch 2.x environment of scripts/py-env.sh.
+#   bench/peers.sh [--seconds S] [--markdown FILE]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=$(scripts/py-env.sh)
+pkgs=build/peer-pkgs
+if [ ! -f "$pkgs/.complete" ]; then
+  "$venv/bin/pip" install -q --disable-pip-version-check --target "$pkgs" openvino onnxruntime onnx
+  touch "$pkgs/.complete"
+fi
+scripts/build.sh >/dev/null
+"$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall .
+peak=$(build/mha bench --peak --threads 2 | sed -n 's/^fp32 FMA peak: \([0-9.]*\).*/\1/p')
+PYTHONPATH="$PWD/$pkgs" "$venv/bin/python" bench/peers.py --peak "$peak" "$@"
