@@ -116,6 +116,16 @@ TEST(HostileAccessors, KvCacheSequenceIndexIsChecked) {
   }
 }
 
+TEST(HostileAccessors, ViewAtIsChecked) {
+  float data[6] = {0, 1, 2, 3, 4, 5};
+  const View<const float> v(data, {2, 3});
+  EXPECT_EQ(v.at(1, 2), 5.0f);
+  expect_error([&] { v.at(2, 0); }, {"View::at", "(2, 0, 0, 0)", "(2, 3)"});
+  expect_error([&] { v.at(0, -1); }, {"View::at", "(0, -1, 0, 0)"});
+  expect_error([&] { v.at(0, 0, 1); }, {"View::at", "past the rank"});
+  expect_error([&] { v.at(int64_t{1} << 40); }, {"View::at", "1099511627776"});
+}
+
 TEST(HostileAccessors, ModuleProjectionAccessors) {
   MultiHeadAttentionConfig c;
   c.embed_dim = 8;

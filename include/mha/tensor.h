@@ -75,7 +75,13 @@ struct View {
     }
     return true;
   }
+  // Element (i0, i1, i2, i3); indices past the rank must be 0. Checked: an index outside its
+  // dimension is an mha::Error (the kernels read through raw pointers, not through at()).
   T& at(int64_t i0, int64_t i1 = 0, int64_t i2 = 0, int64_t i3 = 0) const {
+    const int64_t index[kMaxRank] = {i0, i1, i2, i3};
+    for (int d = 0; d < kMaxRank; ++d) {
+      if (index[d] < 0 || index[d] >= (d < rank ? shape[d] : 1)) ThrowIndex(index);
+    }
     return data[i0 * stride[0] + i1 * stride[1] + i2 * stride[2] + i3 * stride[3]];
   }
   // The same memory with two dimensions swapped (no copy).
@@ -87,6 +93,12 @@ struct View {
   }
 
  private:
+  [[noreturn]] void ThrowIndex(const int64_t (&index)[kMaxRank]) const {
+    std::string at;
+    for (int d = 0; d < kMaxRank; ++d) at += (d ? ", " : "(") + std::to_string(index[d]);
+    throw Error("View::at: index " + at + ") is outside the view's shape " + shape_string(*this) +
+                " (indices past the rank must be 0)");
+  }
   static void CheckRank(size_t n) {
     if (n == 0 || n > kMaxRank) throw Error("View: rank must be 1..4, got " + std::to_string(n));
   }
