@@ -39,9 +39,44 @@ __attribute__((target("avx2,fma"))) float fma_loop_avx2(long iters) {
   _mm256_storeu_ps(out, s);
   return out[0];
 }
+// vdpbf16ps: each of the 16 fp32 lanes accumulates a dot product of 2 bf16 pairs, 4 flops.
+__attribute__((target("avx512f,avx512bf16"))) float bf16_loop_avx512(long iters) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3380);  // 1, ~6e-8
+  for (long it = 0; it < iters; ++it)
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  __m512 s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
 #endif
 
+// The best of several ~0.1 s runs of `loop` on every thread: on a shared VM a run can lose a
+// core to the hypervisor, which would understate the peak (and overstate every % of it).
+double best_rate(float (*loop)(long), double flops_per_iter, int threads) {
+  const long iters = 50'000'000;
+  double best = 0;
+  for (int rep = 0; rep < 7; ++rep) {
+    float sink = 0;
+    const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    sink += loop(iters);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, flops_per_iter * iters * threads / s / 1e9);
+    if (sink == 12345.0f) best += 0;  // keep the result alive
+  }
+  return best;
+}
+
 }  // namespace
+
+double measure_bf16_peak_gflops(int threads) {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512bf16")) return best_rate(bf16_loop_avx512, 4.0 * 16 * kChains, threads);
+#endif
+  return 0.0;
+}
 
 double measure_peak_gflops(int threads) {
   int lanes = 1;
@@ -54,20 +89,7 @@ double measure_peak_gflops(int threads) {
   }
 #endif
   if (!loop) return 0.0;
-  // The best of several ~0.1 s runs: on a shared VM a run can lose a core to the hypervisor,
-  // which would understate the peak (and overstate every % of it).
-  const long iters = 50'000'000;
-  double best = 0;
-  for (int rep = 0; rep < 7; ++rep) {
-    float sink = 0;
-    const auto start = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-    sink += loop(iters);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best = std::max(best, 2.0 * lanes * kChains * iters * threads / s / 1e9);
-    if (sink == 12345.0f) best += 0;  // keep the result alive
-  }
-  return best;
+  return best_rate(loop, 2.0 * lanes * kChains, threads);
 }
 
 namespace {

@@ -13,5 +13,8 @@ if [ ! -f "$pkgs/.complete" ]; then
 fi
 scripts/build.sh >/dev/null
 "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall .
-peak=$(build/mha bench --peak --threads 2 | sed -n 's/^fp32 FMA peak: \([0-9.]*\).*/\1/p')
-PYTHONPATH="$PWD/$pkgs" "$venv/bin/python" bench/peers.py --peak "$peak" "$@"
+peaks=$(build/mha bench --peak --threads 2)
+echo "$peaks"
+peak=$(echo "$peaks" | sed -n 's/^fp32 FMA peak: \([0-9.]*\).*/\1/p')
+bf16_peak=$(echo "$peaks" | sed -n 's/^bf16 dot-product peak: \([0-9.]*\).*/\1/p')
+PYTHONPATH="$PWD/$pkgs" "$venv/bin/python" bench/peers.py --peak "$peak" --bf16-peak "$bf16_peak" "$@"

@@ -64,6 +64,8 @@ double time_calls(const std::function<void()>& f, double seconds);
 
 // fp32 FMA throughput of `threads` threads running an FMA loop with the widest vectors here.
 double measure_peak_gflops(int threads);
+// The bf16 dot-product (vdpbf16ps) peak, measured the same way; 0 without AVX512-BF16.
+double measure_bf16_peak_gflops(int threads);
 
 // STREAM-like memory bandwidth in GB/s of `threads` threads over 256 MiB arrays: a read-only
 // sweep (what a decoding step does) and the triad a[i] = b[i] + s·c[i] (3 arrays counted).

@@ -2,7 +2,10 @@
 # Runs a command of the README in a clean Debian 12 root, as a new user on a fresh machine would:
 # mmdebstrap builds the root from Debian's packages with only the toolchain the README names,
 # the checkout's committed HEAD is cloned into it, and the command runs there (as root, with
-# network to the package registries). Nothing installed on this machine leaks in.
+# network to the package registries). Nothing installed on this machine leaks in; only its
+# network trust settings are carried over, as any machine on the same network has them: the
+# local CA certificates (/usr/local/share/ca-certificates, e.g. of an intercepting proxy) and
+# /etc/pip.conf.
 #   scripts/fresh-machine.sh ./scripts/demo.sh
 #   scripts/fresh-machine.sh ./scripts/test.sh
 # Needs root (mmdebstrap, chroot, bind mounts); installs mmdebstrap if missing. The root is
@@ -18,6 +21,9 @@ repo=$PWD
 dir=$(mktemp -d /tmp/mha-fresh.XXXXXX)
 target=$dir/root
 cleanup() {
+  for p in /proc/[0-9]*; do  # processes still running in the root (an interrupted command)
+    [ "$(readlink "$p/root" 2>/dev/null)" = "$target" ] && kill -9 "${p#/proc/}" 2>/dev/null
+  done
   for m in dev/pts dev sys proc; do umount -l "$target/$m" 2>/dev/null || true; done
   if [ "${MHA_FRESH_KEEP:-0}" = 1 ]; then echo "fresh-machine: kept $target"; else rm -rf "$dir"; fi
 }
@@ -31,6 +37,11 @@ echo "fresh-machine: clean Debian 12 root in $(($(date +%s) - start)) s"
 git clone --quiet --no-hardlinks "$repo" "$target/root/mha"
 for m in proc sys dev dev/pts; do mkdir -p "$target/$m" && mount --bind "/$m" "$target/$m"; done
 cp /etc/resolv.conf "$target/etc/resolv.conf"
+if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+  cp /usr/local/share/ca-certificates/*.crt "$target/usr/local/share/ca-certificates/"
+  chroot "$target" update-ca-certificates >/dev/null 2>&1
+fi
+[ -f /etc/pip.conf ] && cp /etc/pip.conf "$target/etc/pip.conf"
 start=$(date +%s)
 status=0
 # A clean environment: what a login shell on the fresh machine has, plus CI if set.

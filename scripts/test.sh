@@ -40,7 +40,11 @@ run_ctest() {
 # the totals.
 run_python() {
   local venv
-  venv=$(scripts/py-env.sh)
+  if ! venv=$(scripts/py-env.sh); then
+    echo "python: the torch 2.x environment (scripts/py-env.sh) could not be created: FAILED"
+    failed=$((failed + 1))
+    return 1
+  fi
   if ! "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall .; then
     echo "python: pip install . FAILED"
     failed=$((failed + 1))
