@@ -81,6 +81,17 @@ Causal causal_of(int c) {
   return static_cast<Causal>(c);
 }
 
+// A sequence index from any Python object: a non-integer, or an integer past int64, is an
+// mha.Error naming the accessor (not nanobind's signature dump); the range is checked by KvCache.
+int64_t sequence_index(const nb::handle& b, const char* accessor) {
+  int64_t index = 0;
+  if (PyBool_Check(b.ptr()) || !PyLong_Check(b.ptr()) || !nb::try_cast(b, index)) {
+    throw Error(std::string("KvCache.") + accessor + ": b must be an integer sequence index; got " +
+                nb::repr(b).c_str());
+  }
+  return index;
+}
+
 Backend backend_of(const std::string& b) {
   if (b == "auto") return Backend::kAuto;
   if (b == "reference") return Backend::kReference;
@@ -232,8 +243,10 @@ NB_MODULE(_mha, m) {
         nb::arg("backend") = "auto");
 
   nb::class_<KvCache>(m, "KvCache")
-      .def("length", &KvCache::length, nb::arg("b"))
-      .def("stored", &KvCache::stored, nb::arg("b"))
+      .def("length", [](const KvCache& c, const nb::handle& b) { return c.length(sequence_index(b, "length")); },
+           nb::arg("b").none())
+      .def("stored", [](const KvCache& c, const nb::handle& b) { return c.stored(sequence_index(b, "stored")); },
+           nb::arg("b").none())
       .def_prop_ro("capacity", &KvCache::capacity)
       .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
       .def("reset", &KvCache::reset);

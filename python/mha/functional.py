@@ -169,6 +169,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     name = "scaled_dot_product_attention"
     dropout_p = A.check_number(dropout_p, f"{name}: dropout_p", 0.0, 1.0)
     num_threads = A.check_int(num_threads, f"{name}: num_threads", 0, _mha.MAX_THREADS)
+    if backend not in ("auto", "reference", "fast"):
+        raise Error(f"{name}: backend must be 'auto', 'reference' or 'fast'; got {backend!r}")
     p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths)
     p.window = A.check_int(window, f"{name}: window", 0, 2**63 - 1)
     if dropout_seed is not None:

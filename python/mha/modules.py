@@ -222,7 +222,8 @@ class MultiheadAttention:
                                        attn_bias=A.native(bias), key_padding_mask=A.native(kpm),
                                        need_weights=bool(need_weights), average_weights=bool(average_attn_weights),
                                        training=training, causal=causal, dropout_seed=seed,
-                                       num_threads=self.num_threads,
+                                       num_threads=A.check_int(self.num_threads, "MultiheadAttention: num_threads",
+                                                               0, _mha.MAX_THREADS),
                                        backend=self.backend)
         if not batched:
             out = out[0] if bf else out[:, 0]
@@ -234,7 +235,8 @@ class MultiheadAttention:
 
     def make_cache(self, batch, capacity=0):
         """A KV cache for step(): this module's kv heads and head dims."""
-        return self._m.make_cache(batch, capacity)
+        return self._m.make_cache(A.check_int(batch, "MultiheadAttention.make_cache: batch", 0, 2**63 - 1),
+                                  A.check_int(capacity, "MultiheadAttention.make_cache: capacity", 0, 2**63 - 1))
 
     def step(self, x, cache, new_tokens=None):
         """Incremental self-attention: x holds the newest positions (N, n, E) (or (n, N, E) when
@@ -243,7 +245,9 @@ class MultiheadAttention:
         would. new_tokens[b]: how many of the n rows of sequence b are real (default all)."""
         kind = A.kind_of(x)
         A.check_float32(x, "x")
-        out = self._m.step(A.native(x), cache, list(new_tokens or []), num_threads=self.num_threads)
+        threads = A.check_int(self.num_threads, "MultiheadAttention: num_threads", 0, _mha.MAX_THREADS)
+        counts = [A.check_int(n, "MultiheadAttention.step: new_tokens", 0, 2**63 - 1) for n in (new_tokens or [])]
+        out = self._m.step(A.native(x), cache, counts, num_threads=threads)
         return A.from_numpy(kind, out)
 
 
