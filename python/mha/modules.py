@@ -222,14 +222,17 @@ class MultiheadAttention:
                                        attn_bias=A.native(bias), key_padding_mask=A.native(kpm),
                                        need_weights=bool(need_weights), average_weights=bool(average_attn_weights),
                                        training=training, causal=causal, dropout_seed=seed,
-                                       num_threads=A.check_int(self.num_threads, "MultiheadAttention: num_threads",
-                                                               0, _mha.MAX_THREADS),
+                                       num_threads=self._num_threads(),
                                        backend=self.backend)
         if not batched:
             out = out[0] if bf else out[:, 0]
             if weights is not None:
                 weights = weights[0]
         return A.from_numpy(kind, out), A.from_numpy(kind, weights)
+
+    def _num_threads(self):
+        """The num_threads attribute, checked (it is set freely, as torch's attributes are)."""
+        return A.check_int(self.num_threads, "MultiheadAttention: num_threads", 0, _mha.MAX_THREADS)
 
     # --- decoding ----------------------------------------------------------------------------
 
@@ -245,9 +248,8 @@ class MultiheadAttention:
         would. new_tokens[b]: how many of the n rows of sequence b are real (default all)."""
         kind = A.kind_of(x)
         A.check_float32(x, "x")
-        threads = A.check_int(self.num_threads, "MultiheadAttention: num_threads", 0, _mha.MAX_THREADS)
         counts = [A.check_int(n, "MultiheadAttention.step: new_tokens", 0, 2**63 - 1) for n in (new_tokens or [])]
-        out = self._m.step(A.native(x), cache, counts, num_threads=threads)
+        out = self._m.step(A.native(x), cache, counts, num_threads=self._num_threads())
         return A.from_numpy(kind, out)
 
 
