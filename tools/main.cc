@@ -10,32 +10,25 @@
 
 namespace {
 
-// Positive integers up to 2^31 - 1, with a message that names the value (CLI11's PositiveNumber
-// prints the whole double range).
-const CLI::Validator kPositive(
-    [](std::string& value) -> std::string {
-      try {
-        size_t used = 0;
-        const long long v = std::stoll(value, &used);
-        if (used == value.size() && v >= 1 && v <= 2147483647) return "";
-      } catch (const std::exception&) {
-      }
-      return "must be a positive integer; got '" + value + "'";
-    },
-    "POSITIVE");
+// An integer option in [lo, hi]; `expected` says what in the message, which names the value
+// given (CLI11's PositiveNumber prints the whole double range).
+CLI::Validator IntegerIn(long long lo, long long hi, const std::string& expected, const std::string& name) {
+  return CLI::Validator(
+      [=](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          const long long v = std::stoll(value, &used);
+          if (used == value.size() && v >= lo && v <= hi) return "";
+        } catch (const std::exception&) {
+        }
+        return "must be " + expected + "; got '" + value + "'";
+      },
+      name);
+}
 
-// 0 (all available) to mha::kMaxThreads.
-const CLI::Validator kThreads(
-    [](std::string& value) -> std::string {
-      try {
-        size_t used = 0;
-        const long long v = std::stoll(value, &used);
-        if (used == value.size() && v >= 0 && v <= mha::kMaxThreads) return "";
-      } catch (const std::exception&) {
-      }
-      return fmt::format("must be an integer in [0, {}] (0: all available); got '{}'", mha::kMaxThreads, value);
-    },
-    "THREADS");
+const CLI::Validator kPositive = IntegerIn(1, 2147483647, "a positive integer", "POSITIVE");
+const CLI::Validator kThreads =
+    IntegerIn(0, mha::kMaxThreads, fmt::format("an integer in [0, {}] (0: all available)", mha::kMaxThreads), "THREADS");
 
 }  // namespace
 

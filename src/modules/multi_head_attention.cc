@@ -66,7 +66,6 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config, u
                              "MultiHeadAttention: weight elements");
     in_rows = checked_add(in_rows, d.rows[p], "MultiHeadAttention: projection rows");
   }
-  checked_mul(d.rows[3], d.cols[3], "MultiHeadAttention: output projection elements");
   try {
     in_weight_ = Tensor(DType::kF32, {in_weights});
   } catch (const Error& e) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "util/check.h"
+#include "util/parallel.h"
 
 namespace mha::ops {
 namespace {
@@ -166,8 +167,7 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
   MHA_CHECK(options.window >= 0, "attention: window must be >= 0; got {}", options.window);
   MHA_CHECK(options.window == 0 || options.causal != Causal::kNone,
             "attention: a sliding window (window = {}) needs causal masking", options.window);
-  MHA_CHECK(options.num_threads >= 0 && options.num_threads <= kMaxThreads,
-            "attention: num_threads must be in [0, {}] (0: all available); got {}", kMaxThreads, options.num_threads);
+  check_num_threads(options.num_threads, "attention: ");
   p.causal = options.causal;
   p.window = options.window;
   p.dropout_p = options.dropout_p;
@@ -214,7 +214,7 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
       checked_mul(checked_mul(p.batch, p.q_heads, "attention: B·Hq"), p.q_len, "attention: B·Hq·Tq (query rows)");
   checked_mul(rows, std::max({p.kv_len, p.head_dim_qk, p.head_dim_v, int64_t{1}}), "attention: query rows · max(Tk, D)");
   // Nothing to compute (no row, or Dv = 0 with neither lse nor weights asked for): the call
-  // returns at once, however large the other dimensions (see no_work()).
+  // returns at once, however large the other dimensions (AttentionParams::no_work).
   p.no_work = rows == 0 || (p.head_dim_v == 0 && !p.lse && !p.weights);
   if (p.key_lengths && !p.no_work) {
     for (int64_t b = 0; b < p.batch; ++b) {

@@ -20,11 +20,16 @@ namespace mha {
 // Outside [0, kMaxThreads] is an mha::Error (an OpenMP runtime that cannot create the threads
 // ends the process instead of failing). More than 4 per core is clamped: results do not depend on
 // the thread count, and oversubscription only slows a call down.
-inline int resolve_threads(int requested) {
+// The range check alone, for the argument checks of an op (`who` prefixes the message).
+inline void check_num_threads(int requested, const char* who) {
   if (requested < 0 || requested > kMaxThreads) {
-    throw Error("num_threads must be in [0, " + std::to_string(kMaxThreads) + "] (0: all available); got " +
-                std::to_string(requested));
+    throw Error(std::string(who) + "num_threads must be in [0, " + std::to_string(kMaxThreads) +
+                "] (0: all available); got " + std::to_string(requested));
   }
+}
+
+inline int resolve_threads(int requested) {
+  check_num_threads(requested, "");
   const int available = omp_get_max_threads();
   return std::min(requested > 0 ? requested : available, std::max(4 * omp_get_num_procs(), available));
 }
