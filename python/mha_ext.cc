@@ -40,13 +40,40 @@ const char* dtype_label(nb::dlpack::dtype t) {
   return "another dtype";
 }
 
+constexpr nb::dlpack::dtype kFloat16{static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+constexpr nb::dlpack::dtype kBfloat16{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+
+// The element type of q, k and v: one of float32, bfloat16, float16 for all three.
+DType element_type(const In& q, const In& k, const In& v) {
+  const auto t = q.dtype();
+  if (!(t == nb::dtype<float>() || t == kFloat16 || t == kBfloat16)) {
+    throw Error(std::string("query: mha takes float32, bfloat16 or float16; got ") + dtype_label(t));
+  }
+  if (k.dtype() != t || v.dtype() != t) {
+    throw Error(std::string("query, key and value must have one dtype; got ") + dtype_label(t) + ", " +
+                dtype_label(k.dtype()) + " and " + dtype_label(v.dtype()));
+  }
+  return t == kFloat16 ? DType::kF16 : t == kBfloat16 ? DType::kBF16 : DType::kF32;
+}
+
 // A View of an array whose dtype must be T (bool arrays read as uint8).
 template <typename T, typename A>
 View<T> view_of(const A& a, const char* name) {
   using U = std::remove_const_t<T>;
-  const bool ok = a.dtype() == nb::dtype<U>() || (std::is_same_v<U, uint8_t> && a.dtype() == nb::dtype<bool>());
+  bool ok;
+  if constexpr (std::is_same_v<U, bfloat16>) {
+    ok = a.dtype() == kBfloat16;
+  } else if constexpr (std::is_same_v<U, float16>) {
+    ok = a.dtype() == kFloat16;
+  } else {
+    ok = a.dtype() == nb::dtype<U>() || (std::is_same_v<U, uint8_t> && a.dtype() == nb::dtype<bool>());
+  }
   if (!ok) {
-    const char* want = std::is_same_v<U, float> ? "float32" : std::is_same_v<U, uint8_t> ? "bool or uint8" : "int64";
+    const char* want = std::is_same_v<U, float>      ? "float32"
+                       : std::is_same_v<U, bfloat16> ? "bfloat16 (the dtype of query)"
+                       : std::is_same_v<U, float16>  ? "float16 (the dtype of query)"
+                       : std::is_same_v<U, uint8_t>  ? "bool or uint8"
+                                                     : "int64";
     throw Error(std::string(name) + ": mha needs " + want + ", got " + dtype_label(a.dtype()));
   }
   if (a.ndim() < 1 || a.ndim() > 4) {
@@ -112,30 +139,60 @@ AttentionOptions options_of(std::optional<float> scale, int causal, int64_t wind
   return o;
 }
 
-AttentionInputs inputs_of(const In& q, const In& k, const In& v, const std::optional<In>& keep_mask,
-                          const std::optional<In>& attn_bias, const std::optional<In>& key_lengths) {
-  AttentionInputs in;
-  in.query = view_of<const float>(q, "query");
-  in.key = view_of<const float>(k, "key");
-  in.value = view_of<const float>(v, "value");
+template <typename T>
+BasicAttentionInputs<T> inputs_of(const In& q, const In& k, const In& v, const std::optional<In>& keep_mask,
+                                  const std::optional<In>& attn_bias, const std::optional<In>& key_lengths) {
+  BasicAttentionInputs<T> in;
+  in.query = view_of<const T>(q, "query");
+  in.key = view_of<const T>(k, "key");
+  in.value = view_of<const T>(v, "value");
   in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
   in.attn_bias = optional_view<const float>(attn_bias, "attn_mask");
   in.key_lengths = optional_view<const int64_t>(key_lengths, "key_lengths");
   return in;
 }
 
+// out and weights in the dtype of q, k and v; lse float32.
+template <typename T>
+void attention_typed(const In& q, const In& k, const In& v, const Out& out, const std::optional<In>& keep_mask,
+                     const std::optional<In>& attn_bias, const std::optional<In>& key_lengths,
+                     const std::optional<Out>& lse, const std::optional<Out>& weights, const AttentionOptions& opt) {
+  const BasicAttentionInputs<T> in = inputs_of<T>(q, k, v, keep_mask, attn_bias, key_lengths);
+  BasicAttentionOutputs<T> o;
+  o.out = view_of<T>(out, "out");
+  o.lse = optional_view<float>(lse, "lse");
+  o.weights = optional_view<T>(weights, "weights");
+  nb::gil_scoped_release release;
+  attention(in, o, opt);
+}
+
 void attention_py(const In& q, const In& k, const In& v, const Out& out, const std::optional<In>& keep_mask,
                   const std::optional<In>& attn_bias, const std::optional<In>& key_lengths, const std::optional<Out>& lse,
                   const std::optional<Out>& weights, std::optional<float> scale, int causal, int64_t window,
                   float dropout_p, uint64_t dropout_seed, int num_threads, const std::string& backend) {
-  const AttentionInputs in = inputs_of(q, k, v, keep_mask, attn_bias, key_lengths);
-  AttentionOutputs o;
-  o.out = view_of<float>(out, "out");
-  o.lse = optional_view<float>(lse, "lse");
-  o.weights = optional_view<float>(weights, "weights");
   const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend);
+  switch (element_type(q, k, v)) {
+    case DType::kBF16:
+      return attention_typed<bfloat16>(q, k, v, out, keep_mask, attn_bias, key_lengths, lse, weights, opt);
+    case DType::kF16:
+      return attention_typed<float16>(q, k, v, out, keep_mask, attn_bias, key_lengths, lse, weights, opt);
+    default:
+      return attention_typed<float>(q, k, v, out, keep_mask, attn_bias, key_lengths, lse, weights, opt);
+  }
+}
+
+template <typename T>
+void backward_typed(const In& q, const In& k, const In& v, const In& out, const In& lse, const In& grad_out,
+                    const Out& dq, const Out& dk, const Out& dv, const std::optional<In>& keep_mask,
+                    const std::optional<In>& attn_bias, const std::optional<In>& key_lengths,
+                    const AttentionOptions& opt) {
+  const BasicAttentionInputs<T> in = inputs_of<T>(q, k, v, keep_mask, attn_bias, key_lengths);
+  const BasicAttentionInputGrads<T> g{view_of<T>(dq, "grad_query"), view_of<T>(dk, "grad_key"),
+                                      view_of<T>(dv, "grad_value")};
+  const View<const T> o = view_of<const T>(out, "out"), go = view_of<const T>(grad_out, "grad_out");
+  const View<const float> l = view_of<const float>(lse, "lse");
   nb::gil_scoped_release release;
-  attention(in, o, opt);
+  attention_backward(in, o, l, go, g, opt);
 }
 
 void attention_backward_py(const In& q, const In& k, const In& v, const In& out, const In& lse, const In& grad_out,
@@ -143,13 +200,15 @@ void attention_backward_py(const In& q, const In& k, const In& v, const In& out,
                            const std::optional<In>& attn_bias, const std::optional<In>& key_lengths,
                            std::optional<float> scale, int causal, int64_t window, float dropout_p,
                            uint64_t dropout_seed, int num_threads, const std::string& backend) {
-  const AttentionInputs in = inputs_of(q, k, v, keep_mask, attn_bias, key_lengths);
-  const AttentionInputGrads g{view_of<float>(dq, "grad_query"), view_of<float>(dk, "grad_key"), view_of<float>(dv, "grad_value")};
   const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend);
-  const View<const float> o = view_of<const float>(out, "out"), l = view_of<const float>(lse, "lse");
-  const View<const float> go = view_of<const float>(grad_out, "grad_out");
-  nb::gil_scoped_release release;
-  attention_backward(in, o, l, go, g, opt);
+  switch (element_type(q, k, v)) {
+    case DType::kBF16:
+      return backward_typed<bfloat16>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, opt);
+    case DType::kF16:
+      return backward_typed<float16>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, opt);
+    default:
+      return backward_typed<float>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, opt);
+  }
 }
 
 // --- Module ---------------------------------------------------------------------------------------

@@ -29,6 +29,12 @@
 // and indexed by (b, h, i, j) alone, so it does not depend on threads or blocking, and a
 // backward pass regenerates it. dropout_p = 1 gives zeros. LSE is of the undropped scores.
 //
+// Element types: query, key, value, out, weights (and the gradients) share one element type T:
+// float, bfloat16 or float16 (mha/half.h); mixing them does not compile. Every type computes in
+// float32 — scores, the online softmax, P and P·V accumulate in float32, as PyTorch's CPU
+// kernels do for half types — and out and weights are rounded once to T (round to nearest
+// even). attn_bias and lse are float32 for every T. float16 results beyond ±65504 become ±inf.
+//
 // Optional outputs:
 //   lse     (B, Hq, Tq): log sum_j exp(score[b,h,i,j]) over visible j (natural log).
 //   weights (B, Hq, Tq, Tk) per head, or (B, Tq, Tk) averaged over the Hq heads: the attention
@@ -56,20 +62,25 @@ enum class Backend : uint8_t { kAuto, kReference, kFast };
 // The most threads a call may ask for; more is an mha::Error.
 inline constexpr int kMaxThreads = 256;
 
-struct AttentionInputs {
-  View<const float> query;            // (B, Hq, Tq, Dqk)
-  View<const float> key;              // (B, Hkv, Tk, Dqk)
-  View<const float> value;            // (B, Hkv, Tk, Dv)
+template <typename T>
+struct BasicAttentionInputs {
+  View<const T> query;                // (B, Hq, Tq, Dqk)
+  View<const T> key;                  // (B, Hkv, Tk, Dqk)
+  View<const T> value;                // (B, Hkv, Tk, Dv)
   View<const uint8_t> keep_mask;      // optional, broadcastable to (B, Hq, Tq, Tk); nonzero = attend
   View<const float> attn_bias;        // optional, broadcastable to (B, Hq, Tq, Tk); added to scores
   View<const int64_t> key_lengths;    // optional (B,): 0 <= key_lengths[b] <= Tk
 };
 
-struct AttentionOutputs {
-  View<float> out;      // (B, Hq, Tq, Dv), required
+template <typename T>
+struct BasicAttentionOutputs {
+  View<T> out;          // (B, Hq, Tq, Dv), required
   View<float> lse;      // optional (B, Hq, Tq)
-  View<float> weights;  // optional (B, Hq, Tq, Tk) per head or (B, Tq, Tk) averaged over heads
+  View<T> weights;      // optional (B, Hq, Tq, Tk) per head or (B, Tq, Tk) averaged over heads
 };
+
+using AttentionInputs = BasicAttentionInputs<float>;
+using AttentionOutputs = BasicAttentionOutputs<float>;
 
 struct AttentionOptions {
   std::optional<float> scale;  // default 1/sqrt(Dqk)
@@ -82,25 +93,36 @@ struct AttentionOptions {
 };
 
 // Throws mha::Error naming the argument and shapes on any inconsistency. Outputs must not
-// overlap the inputs.
-void attention(const AttentionInputs& in, const AttentionOutputs& out,
+// overlap the inputs. One overload per element type (see "Element types" above).
+void attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options = {});
+void attention(const BasicAttentionInputs<bfloat16>& in, const BasicAttentionOutputs<bfloat16>& out,
+               const AttentionOptions& options = {});
+void attention(const BasicAttentionInputs<float16>& in, const BasicAttentionOutputs<float16>& out,
                const AttentionOptions& options = {});
 
 // Gradients of a loss with respect to query, key and value (overwritten).
-struct AttentionInputGrads {
-  View<float> grad_query;  // (B, Hq, Tq, Dqk)
-  View<float> grad_key;    // (B, Hkv, Tk, Dqk): summed over the query heads of each group
-  View<float> grad_value;  // (B, Hkv, Tk, Dv)
+template <typename T>
+struct BasicAttentionInputGrads {
+  View<T> grad_query;  // (B, Hq, Tq, Dqk)
+  View<T> grad_key;    // (B, Hkv, Tk, Dqk): summed over the query heads of each group
+  View<T> grad_value;  // (B, Hkv, Tk, Dv)
 };
+using AttentionInputGrads = BasicAttentionInputGrads<float>;
 
 // The backward of attention(): `in` and `options` as given to the forward (the same dropout
 // seed regenerates the same dropout mask), its output `out` and `lse`, and grad_out = dL/d out.
 // Memory O(T·D) per thread; the same bits for any thread count (no atomics). Masked keys and
 // fully masked rows receive zero gradient. Gradients of keep_mask, bias and key_lengths are
-// not computed.
+// not computed. bfloat16/float16: the gradients are accumulated in float32 and rounded once to T.
 void attention_backward(const AttentionInputs& in, const View<const float>& out, const View<const float>& lse,
                         const View<const float>& grad_out, const AttentionInputGrads& grads,
                         const AttentionOptions& options = {});
+void attention_backward(const BasicAttentionInputs<bfloat16>& in, const View<const bfloat16>& out,
+                        const View<const float>& lse, const View<const bfloat16>& grad_out,
+                        const BasicAttentionInputGrads<bfloat16>& grads, const AttentionOptions& options = {});
+void attention_backward(const BasicAttentionInputs<float16>& in, const View<const float16>& out,
+                        const View<const float>& lse, const View<const float16>& grad_out,
+                        const BasicAttentionInputGrads<float16>& grads, const AttentionOptions& options = {});
 
 }  // namespace mha
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "mha/error.h"
+#include "mha/half.h"
 
 namespace mha {
 
@@ -119,6 +120,8 @@ template <typename T>
 struct DTypeOf;
 template <> struct DTypeOf<float> { static constexpr DType value = DType::kF32; };
 template <> struct DTypeOf<double> { static constexpr DType value = DType::kF64; };
+template <> struct DTypeOf<bfloat16> { static constexpr DType value = DType::kBF16; };
+template <> struct DTypeOf<float16> { static constexpr DType value = DType::kF16; };
 template <> struct DTypeOf<uint8_t> { static constexpr DType value = DType::kU8; };
 template <> struct DTypeOf<int8_t> { static constexpr DType value = DType::kI8; };
 template <> struct DTypeOf<int16_t> { static constexpr DType value = DType::kI16; };
@@ -186,8 +189,10 @@ class Tensor {
 
   // Same elements, another shape (numel must match). Returns a new owner (copy).
   Tensor reshaped(std::vector<int64_t> shape) const;
-  // float32 copy of a floating tensor (F64/F16/BF16/F32); throws for other dtypes.
-  Tensor to_f32() const;
+  // A copy converted between the floating dtypes F64, F32, F16 and BF16 (rounding to nearest
+  // even, see mha/half.h); throws mha::Error for other dtypes. to_f32() is converted(kF32).
+  Tensor converted(DType dtype) const;
+  Tensor to_f32() const { return converted(DType::kF32); }
 
  private:
   void CheckDType(DType wanted) const;
@@ -206,6 +211,8 @@ class Tensor {
 Tensor to_tensor(const View<const float>& v);
 Tensor to_tensor(const View<const uint8_t>& v);
 Tensor to_tensor(const View<const int64_t>& v);
+Tensor to_tensor(const View<const bfloat16>& v);
+Tensor to_tensor(const View<const float16>& v);
 
 }  // namespace mha
 

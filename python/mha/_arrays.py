@@ -73,6 +73,32 @@ def check_float32(x, name):
     return x
 
 
+def check_attention_dtype(x, name):
+    """float32, bfloat16 (torch) or float16 on the CPU: the element types attention computes with
+    (float32 arithmetic, results rounded once to the input's type). Returns the dtype's name."""
+    if is_torch(x):
+        torch = torch_module()
+        if x.device.type != "cpu":
+            raise Error(f"{name}: mha runs on the CPU; got a tensor on {x.device}")
+        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        if x.dtype not in names:
+            raise Error(f"{name}: mha takes float32, bfloat16 or float16; got {x.dtype} {tuple(x.shape)}")
+        return names[x.dtype]
+    if not isinstance(x, np.ndarray):
+        raise Error(f"{name}: expected a numpy array or a torch tensor; got {type(x).__name__}")
+    if x.dtype not in (np.float32, np.float16):
+        raise Error(f"{name}: mha takes float32 or float16 numpy arrays (bfloat16 through torch); got {x.dtype} "
+                    f"{x.shape}")
+    return str(x.dtype)
+
+
+def to_float32(x):
+    """A float32 copy of a 16-bit floating array (attention biases are float32 for every dtype)."""
+    if is_torch(x):
+        return x.float()
+    return x.astype(np.float32)
+
+
 def native(x):
     """What the extension receives: a detached tensor or a numpy array with non-negative strides."""
     if x is None:
@@ -90,11 +116,12 @@ def native(x):
     return x
 
 
-def empty(kind, shape):
+def empty(kind, shape, dtype="float32"):
+    """An uninitialised array of the caller's kind; dtype "float32", "bfloat16" (torch) or "float16"."""
     if kind == "torch":
         torch = torch_module()
-        return torch.empty(tuple(shape), dtype=torch.float32)
-    return np.empty(tuple(shape), dtype=np.float32)
+        return torch.empty(tuple(shape), dtype=getattr(torch, dtype))
+    return np.empty(tuple(shape), dtype=np.dtype(dtype))
 
 
 def from_numpy(kind, a):

@@ -17,11 +17,11 @@ class AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, keep, bias, lengths, params):
         (scale, causal, window, dropout_p, seed, num_threads, backend, want_weights, average_weights, S) = params
         N, Hq, L, _ = q.shape
-        out = torch.empty((N, Hq, L, v.shape[-1]), dtype=torch.float32)
+        out = torch.empty((N, Hq, L, v.shape[-1]), dtype=q.dtype)
         lse = torch.empty((N, Hq, L), dtype=torch.float32)
         weights = None
         if want_weights:
-            weights = torch.empty((N, L, S) if average_weights else (N, Hq, L, S), dtype=torch.float32)
+            weights = torch.empty((N, L, S) if average_weights else (N, Hq, L, S), dtype=q.dtype)
         _mha.attention(q.detach(), k.detach(), v.detach(), out, keep_mask=A.native(keep), attn_bias=A.native(bias),
                        key_lengths=lengths, lse=lse, weights=weights, scale=scale, causal=causal, window=window,
                        dropout_p=dropout_p, dropout_seed=seed, num_threads=num_threads, backend=backend)
@@ -43,12 +43,14 @@ class AttentionFunction(torch.autograd.Function):
                           "supported; compute that term with torch.nn.functional.scaled_dot_product_attention")
         q, k, v, out, lse = ctx.saved_tensors
         (scale, causal, window, dropout_p, seed, num_threads, backend, _, _, _) = ctx.params
-        dq = torch.empty(q.shape, dtype=torch.float32)
-        dk = torch.empty(k.shape, dtype=torch.float32)
-        dv = torch.empty(v.shape, dtype=torch.float32)
+        # Gradients in the inputs' dtype: for bfloat16/float16 accumulated in float32, rounded once.
+        dq = torch.empty(q.shape, dtype=q.dtype)
+        dk = torch.empty(k.shape, dtype=q.dtype)
+        dv = torch.empty(v.shape, dtype=q.dtype)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        _mha.attention_backward(q.detach(), k.detach(), v.detach(), out, lse, grad_out.contiguous(), dq, dk, dv,
+        _mha.attention_backward(q.detach(), k.detach(), v.detach(), out, lse, grad_out.to(q.dtype).contiguous(),
+                                dq, dk, dv,
                                 keep_mask=A.native(ctx.keep), attn_bias=A.native(ctx.bias), key_lengths=ctx.lengths,
                                 scale=scale, causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
                                 num_threads=num_threads, backend=backend)

@@ -11,7 +11,10 @@ Semantics (as torch's):
 Differences, all documented in docs/semantics.md:
   a query row with no visible key returns zeros (torch returns NaN);
   is_causal and attn_mask together are allowed (both apply; torch raises);
-  inputs must be float32 on the CPU (torch also takes float64/float16).
+  inputs are float32, bfloat16 (torch tensors) or float16 on the CPU, one dtype for query, key
+  and value (torch also takes float64); out and weights come back in that dtype, lse in float32.
+  Half types compute in float32 and round the results once; a float attn_mask is float32 or
+  the query's dtype.
 Extras (keyword-only): causal_alignment="bottom-right" (the last query sees the last key),
 key_lengths (N,) for padded keys, window (sliding window, with is_causal), return_lse,
 return_weights / average_weights, dropout_seed (reproducible dropout), num_threads, backend.
@@ -55,11 +58,15 @@ class _Prepared:
 
 
 def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths):
+    dtypes = []
     for x, n in ((query, "query"), (key, "key"), (value, "value")):
-        A.check_float32(x, f"scaled_dot_product_attention: {n}")
+        dtypes.append(A.check_attention_dtype(x, f"scaled_dot_product_attention: {n}"))
         if x.ndim < 2:
             raise Error(f"scaled_dot_product_attention: {n} needs at least 2 dimensions (..., T, E); got shape "
                         f"{tuple(x.shape)}")
+    if len(set(dtypes)) > 1:
+        raise Error(f"scaled_dot_product_attention: query, key and value must have one dtype; got {dtypes[0]}, "
+                    f"{dtypes[1]} and {dtypes[2]}")
     L, E = query.shape[-2:]
     S, Ek = key.shape[-2:]
     Sv, Ev = value.shape[-2:]
@@ -86,6 +93,7 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
     lead = _broadcast_shapes(qb[:-1], kb[:-1], vb[:-1], what="query, key and value")
     p = _Prepared()
     p.lead, p.Hq, p.L, p.S, p.Ev = lead, Hq, L, S, Ev
+    p.dtype = dtypes[0]
     p.N = _prod(lead)
     p.query_ndim = query.ndim
     one = () if lead else (1,)  # rank-2 inputs (no batch dims) run as N = 1
@@ -109,8 +117,12 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
         if A.is_bool(m):
             p.keep = m
         elif A.is_floating(m):
-            A.check_float32(attn_mask, "attn_mask")
-            p.bias = m
+            mask_dtype = A.check_attention_dtype(attn_mask, "scaled_dot_product_attention: attn_mask")
+            if mask_dtype not in ("float32", p.dtype):
+                raise Error(f"scaled_dot_product_attention: a float attn_mask must be float32 or the query's dtype "
+                            f"({p.dtype}); got {mask_dtype}")
+            # The kernels add a float32 bias: a 16-bit mask is widened (exactly) before broadcasting.
+            p.bias = m if mask_dtype == "float32" else A.to_float32(m)
         else:
             raise Error(f"scaled_dot_product_attention: attn_mask must be bool (True = takes part) or float32 "
                         f"(added to the scores); got {attn_mask.dtype}")
@@ -147,11 +159,11 @@ def _shape_back(p, x, tail):
 
 
 def _run_forward(p, kind, dropout_p, seed, num_threads, backend, want_lse, want_weights, average_weights):
-    out = A.empty(kind, (p.N, p.Hq, p.L, p.Ev))
+    out = A.empty(kind, (p.N, p.Hq, p.L, p.Ev), p.dtype)
     lse = A.empty(kind, (p.N, p.Hq, p.L)) if want_lse else None
     weights = None
     if want_weights:
-        weights = A.empty(kind, (p.N, p.L, p.S) if average_weights else (p.N, p.Hq, p.L, p.S))
+        weights = A.empty(kind, (p.N, p.L, p.S) if average_weights else (p.N, p.Hq, p.L, p.S), p.dtype)
     _mha.attention(A.native(p.q), A.native(p.k), A.native(p.v), out, keep_mask=A.native(p.keep),
                    attn_bias=A.native(p.bias), key_lengths=p.lengths, lse=lse, weights=weights, scale=p.scale,
                    causal=p.causal, window=p.window, dropout_p=float(dropout_p), dropout_seed=seed,

@@ -20,9 +20,12 @@ struct AttentionParams {
   int64_t q_len = 0, kv_len = 0;
   int64_t head_dim_qk = 0, head_dim_v = 0;
 
-  const float* q = nullptr;  Strides4 q_stride{};   // (B, Hq, Tq, Dqk)
-  const float* k = nullptr;  Strides4 k_stride{};   // (B, Hkv, Tk, Dqk)
-  const float* v = nullptr;  Strides4 v_stride{};   // (B, Hkv, Tk, Dv)
+  // The element type of q, k, v and out: kF32, kBF16 or kF16 (then the pointers hold
+  // mha::bfloat16 / mha::float16 elements); kernels cast them to the type they were written for.
+  DType dtype = DType::kF32;
+  const void* q = nullptr;  Strides4 q_stride{};   // (B, Hq, Tq, Dqk)
+  const void* k = nullptr;  Strides4 k_stride{};   // (B, Hkv, Tk, Dqk)
+  const void* v = nullptr;  Strides4 v_stride{};   // (B, Hkv, Tk, Dv)
 
   const uint8_t* keep = nullptr;  Strides4 keep_stride{};  // nonzero = attend
   const float* attn_bias = nullptr;  Strides4 attn_bias_stride{};
@@ -37,9 +40,11 @@ struct AttentionParams {
   float dropout_p = 0.0f;
   uint64_t dropout_seed = 0;
 
-  float* out = nullptr;      Strides4 out_stride{};     // (B, Hq, Tq, Dv)
+  void* out = nullptr;       Strides4 out_stride{};     // (B, Hq, Tq, Dv)
   float* lse = nullptr;      Strides4 lse_stride{};     // (B, Hq, Tq), last entry unused
-  float* weights = nullptr;  Strides4 weights_stride{}; // (B, Hq, Tq, Tk); head stride 0 if averaged
+  // (B, Hq, Tq, Tk); head stride 0 if averaged. Always float32: for 16-bit calls the op layer
+  // passes a float32 buffer and rounds it into the caller's weights afterwards.
+  float* weights = nullptr;  Strides4 weights_stride{};
   bool weights_averaged = false;
   // Set by the checks: no output element to write (no query row, or Dv = 0 without lse and
   // weights). The op returns before any kernel runs.
@@ -50,6 +55,23 @@ struct AttentionParams {
     return key_lengths ? key_lengths[b * key_lengths_stride] : kv_len;
   }
 };
+
+// One element of a q/k/v/out/weights array of element type t, as float (reference kernels and
+// rare paths; the fast kernels convert whole vectors).
+inline float load_element(const void* base, int64_t index, DType t) {
+  switch (t) {
+    case DType::kBF16: return to_float(static_cast<const bfloat16*>(base)[index]);
+    case DType::kF16: return to_float(static_cast<const float16*>(base)[index]);
+    default: return static_cast<const float*>(base)[index];
+  }
+}
+inline void store_element(void* base, int64_t index, float x, DType t) {
+  switch (t) {
+    case DType::kBF16: static_cast<bfloat16*>(base)[index] = to_bfloat16(x); break;
+    case DType::kF16: static_cast<float16*>(base)[index] = to_float16(x); break;
+    default: static_cast<float*>(base)[index] = x; break;
+  }
+}
 
 // The keys [lo, hi) that causal alignment, the window and key_lengths leave visible to query
 // row i of batch b (keep_mask and bias still apply inside). Empty ranges are {0, 0}.

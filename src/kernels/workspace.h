@@ -22,6 +22,9 @@ class Workspace {
     // Forward and weights passes (flash_fwd.cc, flash_weights.cc); the backward reuses the first two.
     kQueryT, kScores, kOutT, kRowMax, kRowSum, kRescale, kNonfinite, kOutSpill, kRowSumSpill,
     kRowMaxSpill,
+    // 16-bit inputs widened to float32 (flash_blocks-inl.h StageRows / PackQueries): the task's
+    // query rows, and the key and value rows of one block.
+    kQueryStage, kKeyStage, kValueStage,
     // Backward (flash_bwd.cc).
     kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats,

@@ -2,6 +2,7 @@
 #include "mha/attention.h"
 
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/flash.h"
@@ -14,11 +15,8 @@ namespace mha {
 
 namespace {
 
-void run_attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options,
-                   const int64_t* causal_offset) {
-  kernels::AttentionParams p = ops::make_attention_params(in, out, options);
-  p.causal_offset = causal_offset;
-  if (p.no_work) return;
+// The forward's kernel family: reference, decode, or flash (+ the weights pass).
+void compute(const kernels::AttentionParams& p, const AttentionOptions& options) {
   if (options.backend == Backend::kReference) {
     // One task per (b, query row); each task computes every head of its row.
     parallel_for(p.batch * p.q_len, options.num_threads, [&](int64_t t) {
@@ -36,8 +34,44 @@ void run_attention(const AttentionInputs& in, const AttentionOutputs& out, const
   if (p.weights) kernels::flash_weights(p, row_lse.data(), options.num_threads);
 }
 
-void checked_run(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options,
-                 const int64_t* causal_offset) {
+// dst = src rounded to T, both (B, Hq, Tq, Tk) or (B, Tq, Tk); src contiguous.
+template <typename T>
+void round_weights(const Tensor& src, const View<T>& dst, int num_threads) {
+  const float* w = src.data<float>();
+  const int64_t rows = dst.shape[0] * dst.shape[1] * (dst.rank == 4 ? dst.shape[2] : 1);
+  const int64_t cols = dst.shape[dst.rank - 1];
+  const int64_t inner = dst.rank == 4 ? dst.shape[2] : 1;
+  parallel_for(rows, num_threads, [&](int64_t r) {
+    const int64_t a = r / (dst.shape[1] * inner), b = r / inner % dst.shape[1], c = r % inner;
+    T* row = dst.data + a * dst.stride[0] + b * dst.stride[1] + (dst.rank == 4 ? c * dst.stride[2] : 0);
+    const int64_t cs = dst.stride[dst.rank - 1];
+    for (int64_t j = 0; j < cols; ++j) kernels::store_element(row, j * cs, w[r * cols + j], DTypeOf<T>::value);
+  });
+}
+
+template <typename T>
+void run_attention(const BasicAttentionInputs<T>& in, const BasicAttentionOutputs<T>& out,
+                   const AttentionOptions& options, const int64_t* causal_offset) {
+  kernels::AttentionParams p = ops::make_attention_params(in, out, options);
+  p.causal_offset = causal_offset;
+  if (p.no_work) return;
+  // 16-bit weights: the kernels write float32 weights here, rounded once into out.weights.
+  Tensor weights32;
+  if (!std::is_same_v<T, float> && out.weights.given()) {
+    const auto& w = out.weights;
+    weights32 = Tensor(DType::kF32, std::vector<int64_t>(w.shape.begin(), w.shape.begin() + w.rank));
+    const View<float> v = weights32.view<float>();
+    p.weights = v.data;
+    p.weights_stride = p.weights_averaged ? kernels::Strides4{v.stride[0], 0, v.stride[1], v.stride[2]}
+                                          : kernels::Strides4{v.stride[0], v.stride[1], v.stride[2], v.stride[3]};
+  }
+  compute(p, options);
+  if (weights32.defined()) round_weights(weights32, out.weights, options.num_threads);
+}
+
+template <typename T>
+void checked_run(const BasicAttentionInputs<T>& in, const BasicAttentionOutputs<T>& out,
+                 const AttentionOptions& options, const int64_t* causal_offset) {
   try {
     run_attention(in, out, options, causal_offset);
   } catch (const std::bad_alloc&) {
@@ -49,6 +83,14 @@ void checked_run(const AttentionInputs& in, const AttentionOutputs& out, const A
 }  // namespace
 
 void attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options) {
+  checked_run(in, out, options, nullptr);
+}
+void attention(const BasicAttentionInputs<bfloat16>& in, const BasicAttentionOutputs<bfloat16>& out,
+               const AttentionOptions& options) {
+  checked_run(in, out, options, nullptr);
+}
+void attention(const BasicAttentionInputs<float16>& in, const BasicAttentionOutputs<float16>& out,
+               const AttentionOptions& options) {
   checked_run(in, out, options, nullptr);
 }
 

@@ -64,4 +64,92 @@ void attention_backward(const AttentionInputs& in, const View<const float>& out,
   }
 }
 
+namespace {
+
+// A contiguous float32 copy of a rank-4 view of 16-bit elements.
+template <typename T>
+Tensor widen(const View<const T>& v, int num_threads) {
+  Tensor t(DType::kF32, {v.shape[0], v.shape[1], v.shape[2], v.shape[3]});
+  float* dst = t.data<float>();
+  const int64_t rows = v.shape[0] * v.shape[1] * v.shape[2], cols = v.shape[3];
+  parallel_for(rows, num_threads, [&](int64_t r) {
+    const int64_t a = r / (v.shape[1] * v.shape[2]), b = r / v.shape[2] % v.shape[1], c = r % v.shape[2];
+    const T* row = v.data + a * v.stride[0] + b * v.stride[1] + c * v.stride[2];
+    for (int64_t j = 0; j < cols; ++j) dst[r * cols + j] = to_float(row[j * v.stride[3]]);
+  });
+  return t;
+}
+
+// dst = src (contiguous float32 of dst's shape) rounded to T.
+template <typename T>
+void narrow(const Tensor& src, const View<T>& dst, int num_threads) {
+  const float* s = src.data<float>();
+  const int64_t rows = dst.shape[0] * dst.shape[1] * dst.shape[2], cols = dst.shape[3];
+  parallel_for(rows, num_threads, [&](int64_t r) {
+    const int64_t a = r / (dst.shape[1] * dst.shape[2]), b = r / dst.shape[2] % dst.shape[1], c = r % dst.shape[2];
+    T* row = dst.data + a * dst.stride[0] + b * dst.stride[1] + c * dst.stride[2];
+    for (int64_t j = 0; j < cols; ++j)
+      kernels::store_element(row, j * dst.stride[3], s[r * cols + j], DTypeOf<T>::value);
+  });
+}
+
+template <typename T>
+void check_like16(const View<T>& g, const View<const T>& like, const char* name, const char* of) {
+  MHA_CHECK(g.rank == 4 && g.shape == like.shape, "attention_backward: {} must have the shape of {} {}; got {}", name,
+            of, shape_string(like), shape_string(g));
+  MHA_CHECK(g.numel() == 0 || g.data, "attention_backward: {} has a null data pointer", name);
+}
+
+// The 16-bit backward: every check of the forward and of the gradients on the caller's views,
+// then the float32 backward on widened copies (O(T·D) memory, as the backward's own), and the
+// gradients rounded once to T.
+template <typename T>
+void backward16(const BasicAttentionInputs<T>& in, const View<const T>& out, const View<const float>& lse,
+                const View<const T>& grad_out, const BasicAttentionInputGrads<T>& grads,
+                const AttentionOptions& options) {
+  MHA_CHECK(out.given() && lse.given(), "attention_backward: needs the forward's out and lse; got out {}, lse {}",
+            shape_string(out), shape_string(lse));
+  BasicAttentionOutputs<T> fwd;
+  fwd.out.data = const_cast<T*>(out.data);
+  fwd.out.rank = out.rank, fwd.out.shape = out.shape, fwd.out.stride = out.stride;
+  fwd.lse.data = const_cast<float*>(lse.data);
+  fwd.lse.rank = lse.rank, fwd.lse.shape = lse.shape, fwd.lse.stride = lse.stride;
+  ops::make_attention_params(in, fwd, options);  // the checks only
+  MHA_CHECK(grad_out.rank == 4 && grad_out.shape == out.shape,
+            "attention_backward: grad_out must have the shape of out {}; got {}", shape_string(out),
+            shape_string(grad_out));
+  check_like16(grads.grad_query, in.query, "grad_query", "query");
+  check_like16(grads.grad_key, in.key, "grad_key", "key");
+  check_like16(grads.grad_value, in.value, "grad_value", "value");
+  const int n = options.num_threads;
+  try {
+    const Tensor q = widen(in.query, n), k = widen(in.key, n), v = widen(in.value, n);
+    const Tensor o = widen(out, n), go = widen(grad_out, n);
+    Tensor gq(DType::kF32, q.shape()), gk(DType::kF32, k.shape()), gv(DType::kF32, v.shape());
+    AttentionInputs in32{q.view<float>(), k.view<float>(), v.view<float>(), in.keep_mask, in.attn_bias,
+                         in.key_lengths};
+    attention_backward(in32, o.view<float>(), lse, go.view<float>(),
+                       {gq.view<float>(), gk.view<float>(), gv.view<float>()}, options);
+    narrow(gq, grads.grad_query, n);
+    narrow(gk, grads.grad_key, n);
+    narrow(gv, grads.grad_value, n);
+  } catch (const std::bad_alloc&) {
+    throw Error("attention_backward: out of memory for the float32 copies (query " + shape_string(in.query) + ")");
+  }
+}
+
+}  // namespace
+
+void attention_backward(const BasicAttentionInputs<bfloat16>& in, const View<const bfloat16>& out,
+                        const View<const float>& lse, const View<const bfloat16>& grad_out,
+                        const BasicAttentionInputGrads<bfloat16>& grads, const AttentionOptions& options) {
+  backward16(in, out, lse, grad_out, grads, options);
+}
+
+void attention_backward(const BasicAttentionInputs<float16>& in, const View<const float16>& out,
+                        const View<const float>& lse, const View<const float16>& grad_out,
+                        const BasicAttentionInputGrads<float16>& grads, const AttentionOptions& options) {
+  backward16(in, out, lse, grad_out, grads, options);
+}
+
 }  // namespace mha

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "util/check.h"
@@ -99,8 +100,9 @@ Strides4 broadcast_strides(const View<T>& mask, const int64_t (&target)[4], cons
 template Strides4 broadcast_strides(const View<const uint8_t>&, const int64_t (&)[4], const char*);
 template Strides4 broadcast_strides(const View<const float>&, const int64_t (&)[4], const char*);
 
-kernels::AttentionParams make_attention_params(const AttentionInputs& in,
-                                               const AttentionOutputs& out,
+template <typename T>
+kernels::AttentionParams make_attention_params(const BasicAttentionInputs<T>& in,
+                                               const BasicAttentionOutputs<T>& out,
                                                const AttentionOptions& options) {
   const auto& q = in.query;
   const auto& k = in.key;
@@ -126,6 +128,7 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
   check_data(v, "value");
 
   kernels::AttentionParams p;
+  p.dtype = DTypeOf<T>::value;
   p.batch = q.shape[0];
   p.q_heads = q.shape[1];
   p.kv_heads = k.shape[1];
@@ -204,7 +207,7 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
               "heads, (B, Tq, Tk) = ({}, {}, {}); got {}",
               p.batch, p.q_heads, p.q_len, p.kv_len, p.batch, p.q_len, p.kv_len, shape_string(w));
     check_data(w, "weights");
-    p.weights = w.data;
+    if constexpr (std::is_same_v<T, float>) p.weights = w.data;
     p.weights_averaged = averaged;
     p.weights_stride = averaged ? Strides4{w.stride[0], 0, w.stride[1], w.stride[2]} : strides_of(w);
   }
@@ -215,7 +218,7 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
   checked_mul(rows, std::max({p.kv_len, p.head_dim_qk, p.head_dim_v, int64_t{1}}), "attention: query rows · max(Tk, D)");
   // Nothing to compute (no row, or Dv = 0 with neither lse nor weights asked for): the call
   // returns at once, however large the other dimensions (AttentionParams::no_work).
-  p.no_work = rows == 0 || (p.head_dim_v == 0 && !p.lse && !p.weights);
+  p.no_work = rows == 0 || (p.head_dim_v == 0 && !p.lse && !out.weights.given());
   if (p.key_lengths && !p.no_work) {
     for (int64_t b = 0; b < p.batch; ++b) {
       const int64_t l = p.key_lengths[b * p.key_lengths_stride];
@@ -249,5 +252,14 @@ kernels::AttentionParams make_attention_params(const AttentionInputs& in,
   }
   return p;
 }
+
+template kernels::AttentionParams make_attention_params(const BasicAttentionInputs<float>&,
+                                                        const BasicAttentionOutputs<float>&, const AttentionOptions&);
+template kernels::AttentionParams make_attention_params(const BasicAttentionInputs<bfloat16>&,
+                                                        const BasicAttentionOutputs<bfloat16>&,
+                                                        const AttentionOptions&);
+template kernels::AttentionParams make_attention_params(const BasicAttentionInputs<float16>&,
+                                                        const BasicAttentionOutputs<float16>&,
+                                                        const AttentionOptions&);
 
 }  // namespace mha::ops

@@ -8,8 +8,11 @@
 namespace mha::ops {
 
 // Throws mha::Error naming the argument and shapes on any inconsistency (see attention.h).
-kernels::AttentionParams make_attention_params(const AttentionInputs& in,
-                                               const AttentionOutputs& out,
+// T: float, bfloat16 or float16 (sets p.dtype). For 16-bit T, out.weights is checked but
+// p.weights stays null: the kernels write float32 weights, and the caller gives them a buffer.
+template <typename T>
+kernels::AttentionParams make_attention_params(const BasicAttentionInputs<T>& in,
+                                               const BasicAttentionOutputs<T>& out,
                                                const AttentionOptions& options);
 
 // Strides that broadcast a mask of rank <= 4 against `target` (B, Hq, Tq, Tk), right-aligned:

@@ -106,29 +106,42 @@ Tensor Tensor::reshaped(std::vector<int64_t> shape) const {
   return t;
 }
 
-Tensor Tensor::to_f32() const {
-  Tensor t(DType::kF32, shape_);
-  float* out = t.data<float>();
+namespace {
+
+bool is_floating(DType t) {
+  return t == DType::kF32 || t == DType::kF64 || t == DType::kF16 || t == DType::kBF16;
+}
+
+// Element i of a floating tensor's storage as double (exact for every source dtype).
+double load_floating(const void* raw, DType t, int64_t i) {
+  switch (t) {
+    case DType::kF32: return static_cast<const float*>(raw)[i];
+    case DType::kF64: return static_cast<const double*>(raw)[i];
+    case DType::kF16: return half_to_float(static_cast<const uint16_t*>(raw)[i]);
+    default: return bf16_to_float(static_cast<const uint16_t*>(raw)[i]);
+  }
+}
+
+}  // namespace
+
+Tensor Tensor::converted(DType dtype) const {
+  if (!defined_) throw Error("Tensor::converted: the tensor is undefined");
+  if (!is_floating(dtype_) || !is_floating(dtype))
+    throw Error(fmt::format("Tensor::converted: {} to {}: only F64, F32, F16 and BF16 convert", dtype_name(dtype_),
+                            dtype_name(dtype)));
+  if (dtype == dtype_) return clone();
+  Tensor t(dtype, shape_);
   const int64_t n = numel();
-  switch (dtype_) {
-    case DType::kF32:
-      std::memcpy(out, raw(), nbytes());
-      break;
-    case DType::kF64:
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(data<double>()[i]);
-      break;
-    case DType::kF16: {
-      const auto* in = static_cast<const uint16_t*>(raw());
-      for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(in[i]);
-      break;
+  // float64 → 16 bits goes through float32 (double rounding differs from torch's direct rounding
+  // in at most one ulp of the 16-bit result, only for values within 2⁻²⁹ relative of a tie).
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = load_floating(raw(), dtype_, i);
+    switch (dtype) {
+      case DType::kF32: static_cast<float*>(t.raw())[i] = static_cast<float>(x); break;
+      case DType::kF64: static_cast<double*>(t.raw())[i] = x; break;
+      case DType::kF16: static_cast<uint16_t*>(t.raw())[i] = float_to_half(static_cast<float>(x)); break;
+      default: static_cast<uint16_t*>(t.raw())[i] = float_to_bf16(static_cast<float>(x)); break;
     }
-    case DType::kBF16: {
-      const auto* in = static_cast<const uint16_t*>(raw());
-      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
-      break;
-    }
-    default:
-      throw Error(fmt::format("Tensor::to_f32: dtype {} is not a floating type", dtype_name(dtype_)));
   }
   return t;
 }
@@ -155,5 +168,7 @@ Tensor copy_view(const View<const T>& v) {
 Tensor to_tensor(const View<const float>& v) { return copy_view(v); }
 Tensor to_tensor(const View<const uint8_t>& v) { return copy_view(v); }
 Tensor to_tensor(const View<const int64_t>& v) { return copy_view(v); }
+Tensor to_tensor(const View<const bfloat16>& v) { return copy_view(v); }
+Tensor to_tensor(const View<const float16>& v) { return copy_view(v); }
 
 }  // namespace mha

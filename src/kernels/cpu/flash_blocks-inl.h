@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
+#include "kernels/cpu/convert-inl.h"
 #include "kernels/cpu/flash_plan.h"
 #include "kernels/cpu/tiles-inl.h"
 #include "kernels/cpu/transpose-inl.h"
@@ -118,23 +120,35 @@ inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_
   return t;
 }
 
-// dst[d][r] = src[row r][d] · scale for d < width (src: a (B, H, T, width) tensor with strides
-// st, rows of the task); zero for invalid rows. N rows at a time through an in-register
-// transpose when the last dim is contiguous.
-inline void PackTransposed(DF d, const TaskRows& t, const float* src, const Strides4& st, int64_t width, float scale,
-                           float* dst) {
+// dst[d][r] = src[row r][d] · scale for d < width (src: a (B, H, T, width) tensor of element
+// type T with strides st, rows of the task); zero for invalid rows. N rows at a time through an
+// in-register transpose when the last dim is contiguous. 16-bit rows are first widened into
+// `stage` (mpad × width floats; unused for float).
+template <typename T>
+inline void PackTransposed(DF d, const TaskRows& t, const T* src, const Strides4& st, int64_t width, float scale,
+                           float* dst, float* stage) {
   const size_t N = hn::Lanes(d), W = static_cast<size_t>(width);
   auto row = [&](size_t r) { return src + t.b * st[0] + t.head[r] * st[1] + t.query[r] * st[2]; };
-  if (st[3] != 1) {
+  if constexpr (!std::is_same_v<T, float>) {
+    for (size_t r = 0; r < t.mpad; ++r)
+      if (t.valid[r]) RowToFloat(row(r), st[3], W, stage + r * W);
+  } else if (st[3] != 1) {
     for (size_t r = 0; r < t.mpad; ++r)
       for (size_t dd = 0; dd < W; ++dd) dst[dd * t.mpad + r] = t.valid[r] ? row(r)[dd * st[3]] * scale : 0.0f;
     return;
   }
+  auto float_row = [&](size_t r) -> const float* {
+    if constexpr (std::is_same_v<T, float>) {
+      return row(r);
+    } else {
+      return stage + r * W;
+    }
+  };
   HWY_ALIGN static const float kZeros[hn::MaxLanes(DF())] = {};
   const float* rows[hn::MaxLanes(DF())];
   for (size_t r0 = 0; r0 < t.mpad; r0 += N) {
     for (size_t dd = 0; dd < W; dd += N) {
-      for (size_t x = 0; x < N; ++x) rows[x] = t.valid[r0 + x] ? row(r0 + x) + dd : kZeros;
+      for (size_t x = 0; x < N; ++x) rows[x] = t.valid[r0 + x] ? float_row(r0 + x) + dd : kZeros;
       Transpose(d, rows, std::min(N, W - dd), dst + dd * t.mpad + r0, t.mpad, scale);
     }
   }
@@ -142,8 +156,21 @@ inline void PackTransposed(DF d, const TaskRows& t, const float* src, const Stri
 
 // Qt[d][r] = q[row r][d] · scale. (log2 e is applied later, to s - m: folding it in here
 // would add a rounding of every score that plain float32 does not have.)
-inline void PackQueries(DF d, const AttentionParams& p, const TaskRows& t, float* qt) {
-  PackTransposed(d, t, p.q, p.q_stride, p.head_dim_qk, p.scale, qt);
+template <typename T>
+inline void PackQueries(DF d, const AttentionParams& p, const TaskRows& t, float* qt, Workspace& ws) {
+  float* stage = std::is_same_v<T, float> ? nullptr
+                                          : ws.get<float>(Workspace::kQueryStage, t.mpad * p.head_dim_qk);
+  PackTransposed(d, t, static_cast<const T*>(p.q), p.q_stride, p.head_dim_qk, p.scale, qt, stage);
+}
+
+// Rows first .. first + n of a (Tk, width) matrix of 16-bit elements (row stride rs, element
+// stride es), widened into dst (n × width, contiguous); rows past last repeat row last.
+template <typename T>
+inline void StageRows(const T* base, int64_t rs, int64_t es, int64_t first, int64_t n, int64_t last, int64_t width,
+                      float* dst) {
+  for (int64_t x = 0; x < n; ++x) {
+    RowToFloat(base + std::min(first + x, last) * rs, es, static_cast<size_t>(width), dst + x * width);
+  }
 }
 
 enum class BlockKind { kSkip, kFull, kPartial };

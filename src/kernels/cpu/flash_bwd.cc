@@ -137,7 +137,7 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   for (int64_t gg = 0; gg < G; ++gg) {
     const int64_t h = hk * G + gg;
     for (int64_t i = 0; i < Tq; ++i) {
-      const float* o = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+      const float* o = static_cast<const float*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
       const float* go = g.grad_out + b * g.grad_out_stride[0] + h * g.grad_out_stride[1] + i * g.grad_out_stride[2];
       double acc = 0;
       for (size_t c = 0; c < Dv; ++c)
@@ -148,8 +148,8 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
     }
   }
 
-  const float* kbase = p.k + b * p.k_stride[0] + hk * p.k_stride[1];
-  const float* vbase = p.v + b * p.v_stride[0] + hk * p.v_stride[1];
+  const float* kbase = static_cast<const float*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const float* vbase = static_cast<const float*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
   const Dropout drop(p.dropout_p, p.dropout_seed);
   const auto log2e = hn::Set(d, kLog2e);
 
@@ -169,9 +169,9 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       if (k.kind == BlockKind::kSkip) continue;
       touched = true;
       const size_t M = t.mpad;
-      PackQueries(d, p, t, qt);
-      PackTransposed(d, t, g.grad_out, g.grad_out_stride, p.head_dim_v, 1.0f, dot);
-      PackRows(t, p.q, p.q_stride, p.head_dim_qk, Dp, qrows);
+      PackTransposed(d, t, static_cast<const float*>(p.q), p.q_stride, p.head_dim_qk, p.scale, qt, nullptr);
+      PackTransposed(d, t, g.grad_out, g.grad_out_stride, p.head_dim_v, 1.0f, dot, nullptr);
+      PackRows(t, static_cast<const float*>(p.q), p.q_stride, p.head_dim_qk, Dp, qrows);
       PackRows(t, g.grad_out, g.grad_out_stride, p.head_dim_v, Dvp, dorows);
       float* lse_r = rowvec;
       float* d_r = rowvec + M;

@@ -6,7 +6,7 @@
 //                    the N accumulators), leaving keys in the lanes for the softmax;
 //   output  O[r][c]  with value columns in the lanes: each V row is loaded once per block and
 //                    broadcast-multiplied into every row's accumulator.
-// Each K/V byte is read from memory once per step. The keys of a (batch, kv head) may be cut
+// Each K/V byte is read from memory once per step; 16-bit K and V are widened in registers. The keys of a (batch, kv head) may be cut
 // into S chunks (S depends on the shape alone, never on threads) that run as separate tasks;
 // their partial (O, m, l) are merged in chunk order through their log-sum-exp, so the result
 // has the same bits for any thread count.
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "hwy/highway.h"
+#include "kernels/cpu/convert-inl.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/transpose-inl.h"
@@ -71,10 +72,19 @@ Split ChooseSplit(const AttentionParams& p, size_t block) {
   return {std::max<int64_t>(parts, 1), std::max<int64_t>(chunk, static_cast<int64_t>(block))};
 }
 
+// The first n (< N) elements at p as floats, zeros after them.
+HWY_INLINE hn::Vec<DF> LoadTail(DF d, const float* p, size_t n) { return hn::MaskedLoad(hn::FirstN(d, n), d, p); }
+template <typename T>
+HWY_INLINE hn::Vec<DF> LoadTail(DF d, const T* p, size_t n) {
+  HWY_ALIGN float tmp[hn::MaxLanes(DF())] = {};
+  for (size_t i = 0; i < n; ++i) tmp[i] = to_float(p[i]);
+  return hn::Load(d, tmp);
+}
+
 // O[r][c0 .. c0 + NV·N) = alpha[r]·O + Σ_{j < jn} P[r][j] · V[j][c0 ..] for rows [r0, r0 + RG).
-// kTail: the last vector is partial (ncols % N != 0) and read with a mask.
-template <size_t RG, size_t NV, bool kTail>
-HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const float* v, int64_t vs, size_t ncols, size_t jn,
+// kTail: the last vector is partial (ncols % N != 0). V rows of element type T, widened on load.
+template <size_t RG, size_t NV, bool kTail, typename T>
+HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const T* v, int64_t vs, size_t ncols, size_t jn,
                              const float* alpha, float* o, size_t ldo) {
   using V = hn::Vec<DF>;
   const size_t N = hn::Lanes(d);
@@ -83,12 +93,12 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const float* v, 
     const V a = hn::Set(d, alpha[r]);
     for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::Mul(hn::Load(d, o + r * ldo + c * N), a);
   }
-  const auto tail = hn::FirstN(d, ncols - (NV - 1) * N);
+  const size_t tail = ncols - (NV - 1) * N;
   for (size_t j = 0; j < jn; ++j) {
-    const float* vj = v + static_cast<int64_t>(j) * vs;
+    const T* vj = v + static_cast<int64_t>(j) * vs;
     V x[NV];
     for (size_t c = 0; c < NV; ++c)
-      x[c] = kTail && c + 1 == NV ? hn::MaskedLoad(tail, d, vj + c * N) : hn::LoadU(d, vj + c * N);
+      x[c] = kTail && c + 1 == NV ? LoadTail(d, vj + c * N, tail) : LoadAsFloat(d, vj + c * N);
     for (size_t r = 0; r < RG; ++r) {
       const V pb = hn::Set(d, pr[r * ldp + j]);
       for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pb, x[c], acc[r][c]);
@@ -98,14 +108,14 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const float* v, 
     for (size_t c = 0; c < NV; ++c) hn::Store(acc[r][c], d, o + r * ldo + c * N);
 }
 
-template <size_t RG>
-HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const float* v, int64_t vs, size_t ncols,
+template <size_t RG, typename T>
+HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const T* v, int64_t vs, size_t ncols,
                                  size_t jn, const float* alpha, float* o, size_t ldo) {
   const size_t N = hn::Lanes(d), nv = (ncols + N - 1) / N;
   const bool tail = ncols % N != 0;
 #define MHA_DECODE_OUTPUT(NV)                                                                 \
-  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, v, vs, ncols, jn, alpha, o, ldo)             \
-       : DecodeOutput<RG, NV, false>(d, pr, ldp, v, vs, ncols, jn, alpha, o, ldo)
+  tail ? DecodeOutput<RG, NV, true, T>(d, pr, ldp, v, vs, ncols, jn, alpha, o, ldo)          \
+       : DecodeOutput<RG, NV, false, T>(d, pr, ldp, v, vs, ncols, jn, alpha, o, ldo)
   switch (nv) {
     case 1: MHA_DECODE_OUTPUT(1); break;
     case 2: MHA_DECODE_OUTPUT(2); break;
@@ -117,8 +127,8 @@ HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const float*
 
 // S[r][x] for one row and the N keys krows[x] (head dim in the lanes): N dot products,
 // reduced together. K rows are read in memory order.
-template <bool kTail>
-HWY_INLINE hn::Vec<DF> DotScores(DF d, const float* q, const float* const* krows, size_t depth) {
+template <bool kTail, typename T>
+HWY_INLINE hn::Vec<DF> DotScores(DF d, const float* q, const T* const* krows, size_t depth) {
   using V = hn::Vec<DF>;
   const size_t N = hn::Lanes(d);
   V acc[hn::MaxLanes(DF())];
@@ -126,12 +136,11 @@ HWY_INLINE hn::Vec<DF> DotScores(DF d, const float* q, const float* const* krows
   const size_t full = kTail ? depth / N * N : depth;
   for (size_t c = 0; c < full; c += N) {
     const V qc = hn::Load(d, q + c);
-    for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, hn::LoadU(d, krows[x] + c), acc[x]);
+    for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, LoadAsFloat(d, krows[x] + c), acc[x]);
   }
   if (kTail) {
-    const auto m = hn::FirstN(d, depth - full);
     const V qc = hn::Load(d, q + full);  // zero past depth (padded)
-    for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, hn::MaskedLoad(m, d, krows[x] + full), acc[x]);
+    for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, LoadTail(d, krows[x] + full, depth - full), acc[x]);
   }
   return SumLanesOfEach(d, acc);
 }
@@ -142,6 +151,8 @@ HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
 }
 
 // Partial attention of rows of (b, hk) over keys [k0, k1): unnormalised O (rows × dvp), m, l.
+// T: the element type of q, k and v.
+template <typename T>
 void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, int64_t k1, float* o, float* m,
                  float* l) {
   const DF d;
@@ -151,8 +162,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const size_t dvp = (Dv + N - 1) / N * N, ldq = (D + N - 1) / N * N;
   Workspace& ws = Workspace::local();
   float* qs = ws.get<float>(Workspace::kDecodeQuery, R * ldq);
-  float* zrow = ws.get<float>(Workspace::kDecodeZeroRow, ldq);  // a missing key reads as zeros
-  std::fill(zrow, zrow + ldq, 0.0f);
+  T* zrow = ws.get<T>(Workspace::kDecodeZeroRow, ldq);  // a missing key reads as zeros
+  std::fill(zrow, zrow + ldq, T{});
   float* s = ws.get<float>(Workspace::kDecodeScores, R * block);
   float* alpha = ws.get<float>(Workspace::kDecodeRescale, R);
   int64_t* lo = ws.get<int64_t>(Workspace::kDecodeLo, R);
@@ -161,9 +172,11 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   int64_t ua = k1, ub = k0;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
-    const float* q = p.q + b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
-    for (size_t dd = 0; dd < ldq; ++dd)
-      qs[r * ldq + dd] = dd < D ? q[static_cast<int64_t>(dd) * p.q_stride[3]] * p.scale : 0.0f;
+    const int64_t q = b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
+    for (size_t dd = 0; dd < ldq; ++dd) {
+      qs[r * ldq + dd] =
+          dd < D ? load_element(p.q, q + static_cast<int64_t>(dd) * p.q_stride[3], p.dtype) * p.scale : 0.0f;
+    }
     const KeyRange k = visible_keys(p, b, i);
     lo[r] = std::max(k.lo, k0);
     hi[r] = std::min(k.hi, k1);
@@ -172,9 +185,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     l[r] = 0.0f;
     std::fill(o + r * dvp, o + (r + 1) * dvp, 0.0f);
   }
-  const float* kbase = p.k + b * p.k_stride[0] + hk * p.k_stride[1];
-  const float* vbase = p.v + b * p.v_stride[0] + hk * p.v_stride[1];
-  const float* krows[hn::MaxLanes(DF())];
+  const T* kbase = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* vbase = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  const T* krows[hn::MaxLanes(DF())];
+  constexpr size_t kLine = 64 / sizeof(T);  // elements per cache line
   const hn::RebindToSigned<DF> di;
 
   const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
@@ -190,8 +204,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
         const int64_t j = first + static_cast<int64_t>(x);
         krows[x] = j < j0 + jn ? kbase + j * p.k_stride[2] : zrow;
         if (j + ahead_keys < ub) {
-          for (size_t dd = 0; dd < D; dd += 16) __builtin_prefetch(kbase + (j + ahead_keys) * p.k_stride[2] + dd, 0, 1);
-          for (size_t dd = 0; dd < Dv; dd += 16) __builtin_prefetch(vbase + (j + ahead_keys) * p.v_stride[2] + dd, 0, 1);
+          for (size_t dd = 0; dd < D; dd += kLine) __builtin_prefetch(kbase + (j + ahead_keys) * p.k_stride[2] + dd, 0, 1);
+          for (size_t dd = 0; dd < Dv; dd += kLine) __builtin_prefetch(vbase + (j + ahead_keys) * p.v_stride[2] + dd, 0, 1);
         }
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -227,7 +241,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       m[r] = m_new;
     }
-    const float* vblk = vbase + j0 * p.v_stride[2];
+    const T* vblk = vbase + j0 * p.v_stride[2];
     for (size_t c0 = 0; c0 < Dv; c0 += block) {
       const size_t nc = std::min(block, Dv - c0);
       ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
@@ -258,7 +272,7 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
     float mx = kNegInf;
     for (int64_t s = 0; s < parts; ++s) mx = std::max(mx, m[s * R + r]);
     const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
-    float* out = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+    const int64_t out = b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
     double sum = 0.0;
     std::fill(acc, acc + p.head_dim_v, 0.0);
     if (mx != kNegInf) {
@@ -274,8 +288,9 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
     const bool masked = sum == 0.0f && !nan_score;
     bool nonfinite = nan_score;
     for (int64_t c = 0; c < p.head_dim_v; ++c) {
-      out[c * p.out_stride[3]] = masked ? 0.0f : static_cast<float>(acc[c] / sum);
-      nonfinite |= !std::isfinite(out[c * p.out_stride[3]]);
+      const float x = masked ? 0.0f : static_cast<float>(acc[c] / sum);
+      store_element(p.out, out + c * p.out_stride[3], x, p.dtype);
+      nonfinite |= !std::isfinite(x);
     }
     if (p.lse) {
       p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
@@ -286,9 +301,8 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
   }
 }
 
-}  // namespace
-
-void FlashDecode(const AttentionParams& p, int num_threads) {
+template <typename T>
+void DecodeOf(const AttentionParams& p, int num_threads) {
   const DF d;
   const size_t N = hn::Lanes(d), block = kBlockVecs * N;
   const Split split = ChooseSplit(p, block);
@@ -301,7 +315,7 @@ void FlashDecode(const AttentionParams& p, int num_threads) {
       float* o = ws.get<float>(Workspace::kDecodeOut, static_cast<size_t>(R) * dvp);
       float* m = ws.get<float>(Workspace::kDecodeMax, static_cast<size_t>(R));
       float* l = ws.get<float>(Workspace::kDecodeSum, static_cast<size_t>(R));
-      DecodeChunk(p, bh / p.kv_heads, bh % p.kv_heads, 0, p.kv_len, o, m, l);
+      DecodeChunk<T>(p, bh / p.kv_heads, bh % p.kv_heads, 0, p.kv_len, o, m, l);
       Merge(p, bh / p.kv_heads, bh % p.kv_heads, 1, o, m, l, dvp);
     });
     return;
@@ -316,13 +330,23 @@ void FlashDecode(const AttentionParams& p, int num_threads) {
   parallel_for(heads * split.parts, num_threads, [&](int64_t t) {
     const int64_t bh = t / split.parts, s = t % split.parts;
     const size_t at = static_cast<size_t>(t * R);
-    DecodeChunk(p, bh / p.kv_heads, bh % p.kv_heads, s * split.chunk, std::min(p.kv_len, (s + 1) * split.chunk),
+    DecodeChunk<T>(p, bh / p.kv_heads, bh % p.kv_heads, s * split.chunk, std::min(p.kv_len, (s + 1) * split.chunk),
                 o + at * dvp, m + at, l + at);
   });
   parallel_for(heads, num_threads, [&](int64_t bh) {
     const size_t at = static_cast<size_t>(bh * split.parts * R);
     Merge(p, bh / p.kv_heads, bh % p.kv_heads, split.parts, o + at * dvp, m + at, l + at, dvp);
   });
+}
+
+}  // namespace
+
+void FlashDecode(const AttentionParams& p, int num_threads) {
+  switch (p.dtype) {
+    case DType::kBF16: DecodeOf<bfloat16>(p, num_threads); break;
+    case DType::kF16: DecodeOf<float16>(p, num_threads); break;
+    default: DecodeOf<float>(p, num_threads); break;
+  }
 }
 
 std::string FlashDecodeName() { return std::string("flash_decode_f32_") + hwy::TargetName(HWY_TARGET); }

@@ -1,4 +1,5 @@
-// The fast attention forward (FlashAttention-2 style) for float32, compiled for each SIMD
+// The fast attention forward (FlashAttention-2 style) for float32, bfloat16 and float16 inputs
+// (computing in float32), compiled for each SIMD
 // target Highway knows (AVX-512, AVX2, portable) and chosen once per call.
 //
 // For each task (b, kv head, query block; see flash_plan.h) and each key block j0..j0+Bk:
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/exp2-inl.h"
@@ -71,13 +73,14 @@ void OutputBlock(DF d, const float* st, size_t ldq, size_t nvec, const float* v,
   }
 }
 
-// out[row r][c] = Ot[c][r] · inv[r] for the valid rows, N×N blocks through a transpose. Sets
-// nonfinite[r] for rows with a NaN or infinity in their output.
+// out[row r][c] = Ot[c][r] · inv[r] for the valid rows, N×N blocks through a transpose, rounded
+// to T. Sets nonfinite[r] for rows with a NaN or infinity in their (float32) output.
+template <typename T>
 void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* ot, const float* inv,
                uint8_t* nonfinite) {
   const size_t N = hn::Lanes(d), M = t.mpad, Dv = static_cast<size_t>(p.head_dim_v);
   auto out_row = [&](size_t r) {
-    return p.out + t.b * p.out_stride[0] + t.head[r] * p.out_stride[1] + t.query[r] * p.out_stride[2];
+    return static_cast<T*>(p.out) + t.b * p.out_stride[0] + t.head[r] * p.out_stride[1] + t.query[r] * p.out_stride[2];
   };
   std::fill(nonfinite, nonfinite + M, 0);
   if (p.out_stride[3] != 1) {
@@ -85,7 +88,7 @@ void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* o
       if (!t.valid[r]) continue;
       for (size_t cc = 0; cc < Dv; ++cc) {
         const float x = ot[cc * M + r] * inv[r];
-        out_row(r)[static_cast<int64_t>(cc) * p.out_stride[3]] = x;
+        store_element(out_row(r), static_cast<int64_t>(cc) * p.out_stride[3], x, p.dtype);
         nonfinite[r] |= !std::isfinite(x);
       }
     }
@@ -104,17 +107,17 @@ void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* o
         if (!t.valid[r]) continue;
         const auto v = hn::Mul(hn::Load(d, tmp + x * N), hn::Set(d, inv[r]));
         nonfinite[r] |= !hn::AllTrue(d, hn::IsFinite(v));
-        if (nc == N) {
-          hn::StoreU(v, d, out_row(r) + c0);
-        } else {
-          hn::BlendedStore(v, hn::FirstN(d, nc), d, out_row(r) + c0);
-        }
+        StoreFromFloat(d, v, nc, out_row(r) + c0);
       }
     }
   }
 }
 
+// T: the element type of q, k, v and out. 16-bit keys and values are widened block by block
+// into float32 scratch (kKeyStage, kValueStage: 64 rows each) and the float32 tiles run on it.
+template <typename T>
 void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, float* row_lse) {
+  constexpr bool kWide = std::is_same_v<T, float>;
   const DF d;
   const size_t N = hn::Lanes(d);
   const TaskCoords c = task_coords(p, plan, task);
@@ -127,13 +130,15 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   float* m = ws.get<float>(Workspace::kRowMax, M);
   float* l = ws.get<float>(Workspace::kRowSum, M);
   float* alpha = ws.get<float>(Workspace::kRescale, M);
-  PackQueries(d, p, t, qt);
+  PackQueries<T>(d, p, t, qt, ws);
+  float* kstage = kWide ? nullptr : ws.get<float>(Workspace::kKeyStage, kKeyBlock * D);
+  float* vstage = kWide ? nullptr : ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1));
   std::fill(ot, ot + Dv * M, 0.0f);
   std::fill(m, m + M, kNegInf);
   std::fill(l, l + M, 0.0f);
 
-  const float* kbase = p.k + c.b * p.k_stride[0] + c.hk * p.k_stride[1];
-  const float* vbase = p.v + c.b * p.v_stride[0] + c.hk * p.v_stride[1];
+  const T* kbase = static_cast<const T*>(p.k) + c.b * p.k_stride[0] + c.hk * p.k_stride[1];
+  const T* vbase = static_cast<const T*>(p.v) + c.b * p.v_stride[0] + c.hk * p.v_stride[1];
   const bool k_unit = p.k_stride[3] == 1, v_unit = p.v_stride[3] == 1;
   const Dropout drop(p.dropout_p, p.dropout_seed);
 
@@ -169,7 +174,10 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   for (int64_t jb = t.keys.lo / kKeyBlock * kKeyBlock; jb < t.keys.hi; jb += kKeyBlock) {
     const KeyBlock k = MakeBlock(p, t, jb);
     if (k.kind == BlockKind::kSkip) continue;
-    if (k_unit) {
+    if constexpr (!kWide) {
+      StageRows(kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len - 1, p.head_dim_qk, kstage);
+      ScoresBlock<true>(d, qt, M, t.nvec, kstage, p.head_dim_qk, 1, 0, k.n, k.n, D, st);
+    } else if (k_unit) {
       ScoresBlock<true>(d, qt, M, t.nvec, kbase, p.k_stride[2], 1, k.a, k.n, p.kv_len, D, st);
     } else {
       ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
@@ -217,8 +225,11 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
     if (drop.active()) DropBlock(p, drop, t, k, st);
 
     const size_t jn = static_cast<size_t>(k.nv);
-    const float* vblk = vbase + k.a * p.v_stride[2];
-    if (v_unit) {
+    const T* vblk = vbase + k.a * p.v_stride[2];
+    if constexpr (!kWide) {
+      StageRows(vblk, p.v_stride[2], p.v_stride[3], 0, k.nv, k.nv - 1, p.head_dim_v, vstage);
+      OutputBlock<true>(d, st, M, t.nvec, vstage, p.head_dim_v, 1, jn, Dv, alpha, ot);
+    } else if (v_unit) {
       OutputBlock<true>(d, st, M, t.nvec, vblk, p.v_stride[2], 1, jn, Dv, alpha, ot);
     } else {
       OutputBlock<false>(d, st, M, t.nvec, vblk, p.v_stride[2], p.v_stride[3], jn, Dv, alpha, ot);
@@ -235,7 +246,7 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   float* inv = alpha;  // alpha is free now
   for (size_t r = 0; r < M; ++r) inv[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
   uint8_t* nonfinite = ws.get<uint8_t>(Workspace::kNonfinite, M);
-  WriteRows(d, p, t, ot, inv, nonfinite);
+  WriteRows<T>(d, p, t, ot, inv, nonfinite);
   // A NaN or infinity in a value row is multiplied by P = 0 for the rows of the block that do
   // not see that key; recompute such rows so that it reaches exactly the rows attending to it.
   for (size_t r = 0; r < M; ++r)
@@ -253,7 +264,12 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
 
 void FlashForward(const AttentionParams& p, float* row_lse, int num_threads) {
   const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
-  parallel_for(plan.tasks(), num_threads, [&](int64_t i) { ForwardTask(p, plan, plan.order[i], row_lse); });
+  auto run = [&](auto task) { parallel_for(plan.tasks(), num_threads, [&](int64_t i) { task(p, plan, plan.order[i], row_lse); }); };
+  switch (p.dtype) {
+    case DType::kBF16: run(ForwardTask<bfloat16>); break;
+    case DType::kF16: run(ForwardTask<float16>); break;
+    default: run(ForwardTask<float>); break;
+  }
 }
 
 std::string FlashForwardName() {

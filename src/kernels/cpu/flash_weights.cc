@@ -1,7 +1,7 @@
 // The attention weights of the fast path, written in a second pass once the forward has the
 // final log-sum-exp of every row: P = 2^((St - lse)·log2 e) block by block (the QKᵀ product again),
 // masked and dropped exactly as in the forward. It costs one more QKᵀ and the weights' own
-// memory, nothing O(T²) besides. Averaged weights sum the heads in index order in one task,
+// memory, nothing O(T²) besides. Weights are float32 here for every input type. Averaged weights sum the heads in index order in one task,
 // so they have the same bits for any thread count.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_weights.cc"
@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/exp2-inl.h"
@@ -28,7 +29,7 @@ float* WeightsRow(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
 }
 
 // Probabilities of the rows of (b, hk, qb) for every key; `emit(row, j0, jn, st)` consumes a block.
-template <class Emit>
+template <typename T, class Emit>
 void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t b, int64_t hk, int64_t qb,
                        const float* row_lse, const Emit& emit) {
   const DF d;
@@ -39,17 +40,21 @@ void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t 
   float* qt = ws.get<float>(Workspace::kQueryT, D * M);
   float* st = ws.get<float>(Workspace::kScores, kKeyBlock * M);
   float* shift = ws.get<float>(Workspace::kRowMax, M);
-  PackQueries(d, p, t, qt);
+  PackQueries<T>(d, p, t, qt, ws);
+  float* kstage = std::is_same_v<T, float> ? nullptr : ws.get<float>(Workspace::kKeyStage, kKeyBlock * D);
   for (size_t r = 0; r < M; ++r) {
     const float lse = t.valid[r] ? row_lse[(b * p.q_heads + t.head[r]) * p.q_len + t.query[r]] : kNegInf;
     shift[r] = lse == kNegInf ? std::numeric_limits<float>::infinity() : lse;  // fully masked: P = 0
   }
-  const float* kbase = p.k + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* kbase = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
   const Dropout drop(p.dropout_p, p.dropout_seed);
   for (int64_t jb = t.keys.lo / kKeyBlock * kKeyBlock; jb < t.keys.hi; jb += kKeyBlock) {
     const KeyBlock k = MakeBlock(p, t, jb);
     if (k.kind == BlockKind::kSkip) continue;
-    if (p.k_stride[3] == 1) {
+    if constexpr (!std::is_same_v<T, float>) {
+      StageRows(kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len - 1, p.head_dim_qk, kstage);
+      ScoresBlock<true>(d, qt, M, t.nvec, kstage, p.head_dim_qk, 1, 0, k.n, k.n, D, st);
+    } else if (p.k_stride[3] == 1) {
       ScoresBlock<true>(d, qt, M, t.nvec, kbase, p.k_stride[2], 1, k.a, k.n, p.kv_len, D, st);
     } else {
       ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
@@ -69,6 +74,7 @@ void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t 
   }
 }
 
+template <typename T>
 void PerHeadTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, const float* row_lse) {
   const TaskCoords c = task_coords(p, plan, task);
   // Zero the task's rows first: skipped blocks and masked keys stay 0.
@@ -78,7 +84,7 @@ void PerHeadTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
       float* w = WeightsRow(p, c.b, c.hk * p.group() + g, i);
       for (int64_t j = 0; j < p.kv_len; ++j) w[j * p.weights_stride[3]] = 0.0f;
     }
-  ProbabilityBlocks(p, plan, c.b, c.hk, c.qb, row_lse,
+  ProbabilityBlocks<T>(p, plan, c.b, c.hk, c.qb, row_lse,
                     [&](const TaskRows& t, int64_t r, int64_t j0, int64_t jn, const float* st, size_t M) {
                       float* w = WeightsRow(p, t.b, t.head[r], t.query[r]) + j0 * p.weights_stride[3];
                       for (int64_t j = 0; j < jn; ++j) w[j * p.weights_stride[3]] = st[j * M + r];
@@ -86,6 +92,7 @@ void PerHeadTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
 }
 
 // Averaged weights: task (b, qb) visits every kv head in order and adds P / Hq.
+template <typename T>
 void AveragedTask(const AttentionParams& p, const FlashPlan& plan, int64_t b, int64_t qb, const float* row_lse) {
   const int64_t i0 = qb * plan.q_per_task, i1 = std::min(p.q_len, i0 + plan.q_per_task);
   for (int64_t i = i0; i < i1; ++i) {
@@ -94,7 +101,7 @@ void AveragedTask(const AttentionParams& p, const FlashPlan& plan, int64_t b, in
   }
   const float inv_heads = 1.0f / static_cast<float>(p.q_heads);
   for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
-    ProbabilityBlocks(p, plan, b, hk, qb, row_lse,
+    ProbabilityBlocks<T>(p, plan, b, hk, qb, row_lse,
                       [&](const TaskRows& t, int64_t r, int64_t j0, int64_t jn, const float* st, size_t M) {
                         float* w = WeightsRow(p, t.b, 0, t.query[r]) + j0 * p.weights_stride[3];
                         for (int64_t j = 0; j < jn; ++j) w[j * p.weights_stride[3]] += st[j * M + r] * inv_heads;
@@ -102,15 +109,24 @@ void AveragedTask(const AttentionParams& p, const FlashPlan& plan, int64_t b, in
   }
 }
 
-}  // namespace
-
-void FlashWeights(const AttentionParams& p, const float* row_lse, int num_threads) {
+template <typename T>
+void WeightsOf(const AttentionParams& p, const float* row_lse, int num_threads) {
   const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
   if (p.weights_averaged) {
     parallel_for(p.batch * plan.q_blocks, num_threads,
-                 [&](int64_t t) { AveragedTask(p, plan, t / plan.q_blocks, t % plan.q_blocks, row_lse); });
+                 [&](int64_t t) { AveragedTask<T>(p, plan, t / plan.q_blocks, t % plan.q_blocks, row_lse); });
   } else {
-    parallel_for(plan.tasks(), num_threads, [&](int64_t t) { PerHeadTask(p, plan, plan.order[t], row_lse); });
+    parallel_for(plan.tasks(), num_threads, [&](int64_t t) { PerHeadTask<T>(p, plan, plan.order[t], row_lse); });
+  }
+}
+
+}  // namespace
+
+void FlashWeights(const AttentionParams& p, const float* row_lse, int num_threads) {
+  switch (p.dtype) {
+    case DType::kBF16: WeightsOf<bfloat16>(p, row_lse, num_threads); break;
+    case DType::kF16: WeightsOf<float16>(p, row_lse, num_threads); break;
+    default: WeightsOf<float>(p, row_lse, num_threads); break;
   }
 }
 

@@ -16,16 +16,16 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
   std::vector<Acc> dk(Tk * D, Acc(0)), dv(Tk * Dv, Acc(0)), score(Tk), prob(Tk), dprob(Tk), dq(D);
   std::vector<bool> contributes(Tk);
   auto K = [&](int64_t j, int64_t d) {
-    return static_cast<Acc>(p.k[b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2] + d * p.k_stride[3]]);
+    return static_cast<Acc>(static_cast<const float*>(p.k)[b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2] + d * p.k_stride[3]]);
   };
   auto V = [&](int64_t j, int64_t d) {
-    return static_cast<Acc>(p.v[b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2] + d * p.v_stride[3]]);
+    return static_cast<Acc>(static_cast<const float*>(p.v)[b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2] + d * p.v_stride[3]]);
   };
   for (int64_t g_ = 0; g_ < p.group(); ++g_) {
     const int64_t h = hk * p.group() + g_;
     for (int64_t i = 0; i < p.q_len; ++i) {
       auto Q = [&](int64_t d) {
-        return static_cast<Acc>(p.q[b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2] + d * p.q_stride[3]]);
+        return static_cast<Acc>(static_cast<const float*>(p.q)[b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2] + d * p.q_stride[3]]);
       };
       auto dO = [&](int64_t d) {
         return static_cast<Acc>(g.grad_out[b * g.grad_out_stride[0] + h * g.grad_out_stride[1] +

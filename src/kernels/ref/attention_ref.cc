@@ -24,7 +24,7 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
   const Dropout dropout(p.dropout_p, p.dropout_seed);
   const KeyRange range = visible_keys(p, b, i);
   const int64_t hk = h / p.group();
-  const float* q = p.q + b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
+  const int64_t q_row = b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2];
 
   std::vector<Acc> score(Tk);
   std::vector<bool> visible(Tk);
@@ -38,10 +38,11 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
       visible[j] = p.keep[b * p.keep_stride[0] + h * p.keep_stride[1] + i * p.keep_stride[2] + j * p.keep_stride[3]] != 0;
     }
     if (!visible[j]) continue;
-    const float* k = p.k + b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2];
+    const int64_t k_row = b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2];
     Acc dot = 0;
     for (int64_t d = 0; d < p.head_dim_qk; ++d)
-      dot += static_cast<Acc>(q[d * p.q_stride[3]]) * static_cast<Acc>(k[d * p.k_stride[3]]);
+      dot += static_cast<Acc>(load_element(p.q, q_row + d * p.q_stride[3], p.dtype)) *
+             static_cast<Acc>(load_element(p.k, k_row + d * p.k_stride[3], p.dtype));
     Acc s = static_cast<Acc>(p.scale) * dot;
     if (p.attn_bias) {
       s += static_cast<Acc>(p.attn_bias[b * p.attn_bias_stride[0] + h * p.attn_bias_stride[1] + i * p.attn_bias_stride[2] +
@@ -76,16 +77,18 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
   }
   for (int64_t j = 0; j < Tk; ++j) {
     if (!contributes(j)) continue;  // value rows of keys that do not contribute are never read (no 0 * NaN)
-    const float* v = p.v + b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2];
-    for (int64_t d = 0; d < p.head_dim_v; ++d) row.out[d] += row.prob[j] * static_cast<Acc>(v[d * p.v_stride[3]]);
+    const int64_t v_row = b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2];
+    for (int64_t d = 0; d < p.head_dim_v; ++d)
+      row.out[d] += row.prob[j] * static_cast<Acc>(load_element(p.v, v_row + d * p.v_stride[3], p.dtype));
   }
   row.lse = fully_masked ? kNegInf : max + std::log(sum);
 }
 
 template <typename Acc>
 void store_output(const AttentionParams& p, int64_t b, int64_t h, int64_t i, const HeadRow<Acc>& row) {
-  float* o = p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-  for (int64_t d = 0; d < p.head_dim_v; ++d) o[d * p.out_stride[3]] = static_cast<float>(row.out[d]);
+  const int64_t o = b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+  for (int64_t d = 0; d < p.head_dim_v; ++d)
+    store_element(p.out, o + d * p.out_stride[3], static_cast<float>(row.out[d]), p.dtype);
 }
 
 }  // namespace

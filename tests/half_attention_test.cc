@@ -1,0 +1,442 @@
+// bfloat16 and float16 attention (forward, weights, decode, backward) on every SIMD target,
+// against the float64 reference run on the same 16-bit-rounded inputs widened to float32
+// (exact). Bound (docs/numerics.md, "16-bit types"), norm-wise relative errors:
+//   err(fast16) <= max(2 · err(plain16), 2 · err(plain32) + 4u + u16)
+// plain32: the reference templated on float (float32 arithmetic); plain16: plain32 rounded to
+// the 16-bit type — what PyTorch's CPU kernels compute for half types (float32 accumulation,
+// one rounding of the output). u = 2^-24, u16 = 2^-8 (bfloat16) or 2^-11 (float16): one
+// rounding of the output. And exactly: the fast 16-bit path gives the bits of the float32
+// fast path on the widened inputs, rounded once.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+
+#include "kernels/cpu/flash.h"
+#include "kernels/ref/attention_ref.h"
+#include "mha/attention.h"
+#include "ops/attention_checks.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+constexpr double kU = 1.0 / (1 << 24);
+
+// (SIMD target, dtype).
+using Param = std::tuple<std::string, DType>;
+
+class HalfTest : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override { kernels::force_simd_target(std::get<0>(GetParam())); }
+  void TearDown() override { kernels::force_simd_target(""); }
+  DType dtype() const { return std::get<1>(GetParam()); }
+};
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  return std::get<0>(info.param) + "_" + dtype_name(std::get<1>(info.param));
+}
+
+// 2^-p for p significant bits (bfloat16: 8, float16: 11): the largest relative rounding error.
+double unit_roundoff(DType t) { return t == DType::kBF16 ? 1.0 / 256 : 1.0 / 2048; }
+
+template <typename T>
+View<const T> view4(const Tensor& t, int64_t B, int64_t H, int64_t T_, int64_t D, bool bthd) {
+  const T* p = t.data<T>();
+  if (!bthd) return View<const T>(p, {B, H, T_, D});
+  return View<const T>(p, {B, H, T_, D}, {T_ * H * D, D, H * D, 1});
+}
+
+struct Problem {
+  int64_t B = 1, Hq = 2, Hkv = 2, Tq = 1, Tk = 1, D = 8, Dv = 8;
+  bool bthd = false;       // (B, T, H, D) memory seen through strides
+  int weights_rank = 0;    // 0: none, 4: per head, 3: averaged
+  DType dtype = DType::kBF16;
+  Tensor q16, k16, v16;    // the 16-bit inputs
+  Tensor q32, k32, v32;    // the same values in float32 (exact)
+  Tensor keep, bias, lengths;
+  AttentionOptions opt;
+
+  void make(Rng& rng) {
+    auto gen = [&](int64_t H, int64_t T, int64_t Dd, Tensor* t16, Tensor* t32) {
+      const Tensor r = bthd ? random_tensor(rng, {B, T, H, Dd}) : random_tensor(rng, {B, H, T, Dd});
+      *t16 = r.converted(dtype);
+      *t32 = t16->to_f32();
+    };
+    gen(Hq, Tq, D, &q16, &q32);
+    gen(Hkv, Tk, D, &k16, &k32);
+    gen(Hkv, Tk, Dv, &v16, &v32);
+  }
+  AttentionInputs inputs32() const {
+    AttentionInputs in;
+    in.query = view4<float>(q32, B, Hq, Tq, D, bthd);
+    in.key = view4<float>(k32, B, Hkv, Tk, D, bthd);
+    in.value = view4<float>(v32, B, Hkv, Tk, Dv, bthd);
+    masks(in);
+    return in;
+  }
+  template <typename T>
+  BasicAttentionInputs<T> inputs16() const {
+    BasicAttentionInputs<T> in;
+    in.query = view4<T>(q16, B, Hq, Tq, D, bthd);
+    in.key = view4<T>(k16, B, Hkv, Tk, D, bthd);
+    in.value = view4<T>(v16, B, Hkv, Tk, Dv, bthd);
+    masks(in);
+    return in;
+  }
+  template <typename In>
+  void masks(In& in) const {
+    if (keep.defined()) in.keep_mask = keep.view<uint8_t>();
+    if (bias.defined()) in.attn_bias = bias.view<float>();
+    if (lengths.defined()) in.key_lengths = lengths.view<int64_t>();
+  }
+  std::vector<int64_t> weights_shape() const {
+    return weights_rank == 4 ? std::vector<int64_t>{B, Hq, Tq, Tk} : std::vector<int64_t>{B, Tq, Tk};
+  }
+  std::string describe() const {
+    char buf[220];
+    std::snprintf(buf, sizeof buf,
+                  "%s B=%ld Hq=%ld Hkv=%ld Tq=%ld Tk=%ld D=%ld Dv=%ld causal=%d window=%ld drop=%g weights=%d",
+                  dtype_name(dtype), (long)B, (long)Hq, (long)Hkv, (long)Tq, (long)Tk, (long)D, (long)Dv,
+                  (int)opt.causal, (long)opt.window, opt.dropout_p, weights_rank);
+    return buf + std::string(keep.defined() ? " keep" : "") + (bias.defined() ? " bias" : "") +
+           (lengths.defined() ? " lengths" : "") + (bthd ? " bthd" : "");
+  }
+};
+
+// Float32 results (out, lse, weights) of one implementation.
+struct Result {
+  Tensor out, lse, weights;
+};
+
+Result alloc(const Problem& p, DType out_dtype) {
+  Result r;
+  r.out = Tensor(out_dtype, {p.B, p.Hq, p.Tq, p.Dv});
+  r.lse = Tensor(DType::kF32, {p.B, p.Hq, p.Tq});
+  if (p.weights_rank) r.weights = Tensor(out_dtype, p.weights_shape());
+  return r;
+}
+
+// The fast (or reference) path on the 16-bit inputs; results widened to float32.
+template <typename T>
+Result run16(const Problem& p, Backend backend, int threads = 0) {
+  Result r = alloc(p, DTypeOf<T>::value);
+  BasicAttentionOutputs<T> o{r.out.view<T>(), r.lse.view<float>(),
+                             p.weights_rank ? r.weights.view<T>() : View<T>()};
+  AttentionOptions opt = p.opt;
+  opt.backend = backend;
+  opt.num_threads = threads;
+  attention(p.inputs16<T>(), o, opt);
+  r.out = r.out.to_f32();
+  if (p.weights_rank) r.weights = r.weights.to_f32();
+  return r;
+}
+
+Result run_dtype(const Problem& p, Backend backend, int threads = 0) {
+  return p.dtype == DType::kBF16 ? run16<bfloat16>(p, backend, threads) : run16<float16>(p, backend, threads);
+}
+
+// On the widened inputs: the float64 reference (Acc = double) or plain float32 (Acc = float).
+template <typename Acc>
+Result run32(const Problem& p) {
+  Result r = alloc(p, DType::kF32);
+  const AttentionOutputs o{r.out.view<float>(), r.lse.view<float>(),
+                           p.weights_rank ? r.weights.view<float>() : View<float>()};
+  const kernels::AttentionParams kp = ops::make_attention_params(p.inputs32(), o, p.opt);
+  for (int64_t b = 0; b < kp.batch; ++b)
+    for (int64_t i = 0; i < kp.q_len; ++i) kernels::attention_ref_row<Acc>(kp, b, i);
+  return r;
+}
+
+double abs_error(const Tensor& got, const Tensor& ref) {
+  double e = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i) {
+    const float g = got.data<float>()[i], r = ref.data<float>()[i];
+    if (!std::isfinite(r)) {
+      if (!(std::isnan(r) ? std::isnan(g) : g == r)) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    const double d = std::fabs(static_cast<double>(g) - r);
+    e = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(e, d);
+  }
+  return e;
+}
+
+double finite_max_abs(const Tensor& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (std::isfinite(t.data<float>()[i])) m = std::max(m, std::fabs(static_cast<double>(t.data<float>()[i])));
+  return m;
+}
+
+void check(const Problem& p) {
+  SCOPED_TRACE(p.describe());
+  const double u16 = unit_roundoff(p.dtype);
+  const Result fast = run_dtype(p, Backend::kFast), ref = run32<double>(p), plain32 = run32<float>(p);
+  const Result ref16 = run_dtype(p, Backend::kReference);
+  auto rounded = [&](const Tensor& t) { return t.converted(p.dtype).to_f32(); };
+  auto expect_bound = [&](const Tensor& f, const Tensor& r, const Tensor& pl32, double u_out, const char* what) {
+    const double scale = std::max(finite_max_abs(r), 1e-30);
+    const double ef = abs_error(f, r) / scale, e32 = abs_error(pl32, r) / scale;
+    const double e16 = u_out > 0 ? abs_error(rounded(pl32), r) / scale : e32;
+    EXPECT_LE(ef, std::max(2 * e16, 2 * e32 + 4 * kU + u_out))
+        << what << ": fast " << ef << " vs plain16 " << e16 << ", plain32 " << e32;
+  };
+  expect_bound(fast.out, ref.out, plain32.out, u16, "out");
+  expect_bound(fast.lse, ref.lse, plain32.lse, 0.0, "lse");  // float32 for every dtype
+  if (p.weights_rank) expect_bound(fast.weights, ref.weights, plain32.weights, u16, "weights");
+  // The fast 16-bit path widens its inputs exactly and runs the float32 tiles: its results are
+  // the float32 fast path's on the widened inputs, rounded once (round to nearest even).
+  Result fast32 = alloc(p, DType::kF32);
+  AttentionOptions fo = p.opt;
+  fo.backend = Backend::kFast;
+  attention(p.inputs32(),
+            {fast32.out.view<float>(), fast32.lse.view<float>(),
+             p.weights_rank ? fast32.weights.view<float>() : View<float>()},
+            fo);
+  EXPECT_TRUE(bitwise_equal(fast.out, rounded(fast32.out))) << "out is not the rounded float32 result";
+  EXPECT_TRUE(bitwise_equal(fast.lse, fast32.lse)) << "lse differs from the float32 path's";
+  if (p.weights_rank) EXPECT_TRUE(bitwise_equal(fast.weights, rounded(fast32.weights)));
+  // The 16-bit reference path is the float64 reference rounded once.
+  EXPECT_LE(abs_error(ref16.out, ref.out), u16 * std::max(finite_max_abs(ref.out), 1e-30) + 1e-30);
+}
+
+TEST_P(HalfTest, SequenceLengthsAroundTileEdges) {
+  Rng rng(base_seed() + 110);
+  for (int64_t T : {1, 2, 47, 48, 49, 63, 64, 65, 113, 257}) {
+    for (Causal c : {Causal::kNone, Causal::kTopLeft}) {
+      Problem p;
+      p.dtype = dtype();
+      p.Tq = p.Tk = T;
+      p.D = p.Dv = 64;
+      p.opt.causal = c;
+      p.make(rng);
+      check(p);
+    }
+  }
+}
+
+TEST_P(HalfTest, HeadDimsAndStrides) {
+  Rng rng(base_seed() + 111);
+  for (int64_t D : {1, 7, 16, 17, 33, 80, 128}) {
+    Problem p;
+    p.dtype = dtype();
+    p.Tq = 37;
+    p.Tk = 70;
+    p.D = D;
+    p.Dv = D == 1 ? 5 : D;
+    p.bthd = D % 2 == 1;
+    p.opt.causal = Causal::kBottomRight;
+    p.make(rng);
+    check(p);
+  }
+}
+
+TEST_P(HalfTest, RandomProblems) {
+  const uint64_t seed = base_seed() + 114;
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with MHA_TEST_SEED)");
+  Rng rng(seed);
+  const int trials = std::get<0>(GetParam()) == "SCALAR" ? 10 : 40;
+  for (int trial = 0; trial < trials; ++trial) {
+    Problem p;
+    p.dtype = dtype();
+    p.B = rng.range(1, 2);
+    p.Hkv = rng.range(1, 3);
+    p.Hq = p.Hkv * rng.range(1, 4);
+    p.Tq = rng.range(1, 130);
+    p.Tk = rng.coin(0.3) ? p.Tq : rng.range(1, 130);
+    p.D = rng.range(1, 72);
+    p.Dv = rng.coin(0.5) ? p.D : rng.range(1, 72);
+    p.bthd = rng.coin(0.5);
+    p.make(rng);
+    const std::vector<int64_t> full = {p.B, p.Hq, p.Tq, p.Tk};
+    auto bshape = [&] {
+      const int rank = static_cast<int>(rng.range(1, 4));
+      std::vector<int64_t> s(full.end() - rank, full.end());
+      for (auto& x : s)
+        if (rng.coin(0.4)) x = 1;
+      return s;
+    };
+    if (rng.coin(0.3)) p.keep = random_mask(rng, bshape(), rng.coin(0.5) ? 0.9 : 0.3);
+    if (rng.coin(0.3)) p.bias = random_tensor(rng, bshape());
+    if (rng.coin(0.3)) p.lengths = random_lengths(rng, p.B, p.Tk);
+    p.opt.causal = static_cast<Causal>(rng.range(0, 2));
+    if (p.opt.causal != Causal::kNone && rng.coin(0.3)) p.opt.window = rng.range(1, 80);
+    if (rng.coin(0.2)) p.opt.dropout_p = 0.25f, p.opt.dropout_seed = rng.next();
+    if (rng.coin(0.2)) p.opt.scale = static_cast<float>(rng.uniform());
+    p.weights_rank = rng.coin(0.5) ? 0 : (rng.coin(0.5) ? 3 : 4);
+    check(p);
+  }
+}
+
+// Few query rows per kv head: the decode kernel, reading 16-bit K/V rows directly.
+TEST_P(HalfTest, DecodeShapes) {
+  Rng rng(base_seed() + 118);
+  for (int64_t G : {1, 4, 8}) {
+    for (int64_t Tk : {1, 17, 300, 3000}) {
+      Problem p;
+      p.dtype = dtype();
+      p.B = 2;
+      p.Hkv = 2;
+      p.Hq = 2 * G;
+      p.Tq = 1;
+      p.Tk = Tk;
+      p.D = Tk == 300 ? 33 : 64;
+      p.Dv = Tk == 17 ? 20 : p.D;
+      p.bthd = Tk == 300;
+      p.opt.causal = Causal::kBottomRight;
+      p.make(rng);
+      check(p);
+    }
+  }
+  Problem p;  // key lengths and a window, keys split into chunks
+  p.dtype = dtype();
+  p.Hq = 4;
+  p.Hkv = 1;
+  p.Tk = 5000;
+  p.D = p.Dv = 96;
+  p.make(rng);
+  p.lengths = Tensor(DType::kI64, {1});
+  p.lengths.data<int64_t>()[0] = 4321;
+  p.opt.causal = Causal::kBottomRight;
+  p.opt.window = 700;
+  check(p);
+}
+
+TEST_P(HalfTest, SameBitsForOneAndTwoThreads) {
+  Rng rng(base_seed() + 119);
+  for (int64_t Tq : {1, 200}) {
+    Problem p;
+    p.dtype = dtype();
+    p.B = 2;
+    p.Hq = 4;
+    p.Hkv = 2;
+    p.Tq = Tq;
+    p.Tk = 2000;
+    p.D = p.Dv = 64;
+    p.weights_rank = Tq == 1 ? 0 : 3;
+    p.opt.causal = Causal::kBottomRight;
+    p.opt.dropout_p = Tq == 1 ? 0.0f : 0.1f;
+    p.make(rng);
+    const Result one = run_dtype(p, Backend::kFast, 1), two = run_dtype(p, Backend::kFast, 2);
+    EXPECT_TRUE(bitwise_equal(one.out, two.out)) << p.describe();
+    EXPECT_TRUE(bitwise_equal(one.lse, two.lse)) << p.describe();
+    if (p.weights_rank) EXPECT_TRUE(bitwise_equal(one.weights, two.weights)) << p.describe();
+  }
+}
+
+// Overflow and special values: float16 outputs beyond 65504 are infinite, NaN stays NaN, and a
+// fully masked row is zeros (never NaN) in every dtype.
+TEST_P(HalfTest, SpecialValues) {
+  Rng rng(base_seed() + 120);
+  Problem p;
+  p.dtype = dtype();
+  p.Tq = 3;
+  p.Tk = 5;
+  p.D = p.Dv = 16;
+  p.make(rng);
+  auto set = [&](Tensor& t16, Tensor& t32, int64_t i, float x) {
+    if (p.dtype == DType::kBF16) {
+      t16.data<bfloat16>()[i] = to_bfloat16(x);
+    } else {
+      t16.data<float16>()[i] = to_float16(x);
+    }
+    t32 = t16.to_f32();
+  };
+  // Every value of key 0's V row is 1e5 (finite in bf16, infinite in fp16).
+  for (int64_t c = 0; c < p.Dv; ++c) set(p.v16, p.v32, c, 1e5f);
+  p.keep = Tensor(DType::kU8, {p.Tq, p.Tk});
+  for (int64_t j = 0; j < p.Tk; ++j) p.keep.data<uint8_t>()[j] = 0;  // query 0 sees nothing
+  for (int64_t i = p.Tk; i < p.keep.numel(); ++i) p.keep.data<uint8_t>()[i] = 1;
+  const Result r = run_dtype(p, Backend::kFast);
+  for (int64_t h = 0; h < p.Hq; ++h) {
+    const float* row0 = r.out.data<float>() + h * p.Tq * p.Dv;
+    for (int64_t c = 0; c < p.Dv; ++c) EXPECT_EQ(row0[c], 0.0f);
+    EXPECT_EQ(r.lse.data<float>()[h * p.Tq], -std::numeric_limits<float>::infinity());
+  }
+  check(p);
+}
+
+// The 16-bit backward is the float32 backward on the widened arguments, rounded once: the
+// same bits as doing that by hand.
+TEST_P(HalfTest, BackwardIsRoundedFloat32Backward) {
+  Rng rng(base_seed() + 121);
+  for (Causal c : {Causal::kNone, Causal::kBottomRight}) {
+    Problem p;
+    p.dtype = dtype();
+    p.B = 2;
+    p.Hq = 4;
+    p.Hkv = 2;
+    p.Tq = 50;
+    p.Tk = 70;
+    p.D = 24;
+    p.Dv = 20;
+    p.bthd = c == Causal::kNone;
+    p.opt.causal = c;
+    p.opt.dropout_p = 0.2f;
+    p.opt.dropout_seed = 7;
+    p.make(rng);
+    const Result fwd = run_dtype(p, Backend::kFast);
+    const Tensor out16 = fwd.out.converted(p.dtype), go32 = random_tensor(rng, {p.B, p.Hq, p.Tq, p.Dv});
+    const Tensor go16 = go32.converted(p.dtype);
+    // By hand: float32 backward on the widened values.
+    const Tensor out32 = out16.to_f32(), gow = go16.to_f32();
+    Tensor gq(DType::kF32, {p.B, p.Hq, p.Tq, p.D}), gk(DType::kF32, {p.B, p.Hkv, p.Tk, p.D}),
+        gv(DType::kF32, {p.B, p.Hkv, p.Tk, p.Dv});
+    attention_backward(p.inputs32(), out32.view<float>(), fwd.lse.view<float>(), gow.view<float>(),
+                       {gq.view<float>(), gk.view<float>(), gv.view<float>()}, p.opt);
+    Tensor hq(p.dtype, gq.shape()), hk(p.dtype, gk.shape()), hv(p.dtype, gv.shape());
+    if (p.dtype == DType::kBF16) {
+      attention_backward(p.inputs16<bfloat16>(), out16.view<bfloat16>(), fwd.lse.view<float>(),
+                         go16.view<bfloat16>(), {hq.view<bfloat16>(), hk.view<bfloat16>(), hv.view<bfloat16>()},
+                         p.opt);
+    } else {
+      attention_backward(p.inputs16<float16>(), out16.view<float16>(), fwd.lse.view<float>(),
+                         go16.view<float16>(), {hq.view<float16>(), hk.view<float16>(), hv.view<float16>()},
+                         p.opt);
+    }
+    EXPECT_TRUE(bitwise_equal(hq, gq.converted(p.dtype))) << p.describe();
+    EXPECT_TRUE(bitwise_equal(hk, gk.converted(p.dtype))) << p.describe();
+    EXPECT_TRUE(bitwise_equal(hv, gv.converted(p.dtype))) << p.describe();
+    // And the gradients are not trivially zero.
+    EXPECT_GT(max_abs(hq.to_f32().view<float>()), 0.0);
+    EXPECT_GT(max_abs(hv.to_f32().view<float>()), 0.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, HalfTest,
+                         ::testing::Combine(::testing::ValuesIn(kernels::simd_targets()),
+                                            ::testing::Values(DType::kBF16, DType::kF16)),
+                         param_name);
+
+// Scalar conversions: round to nearest even, specials, float16 overflow and subnormals.
+TEST(HalfConversion, RoundsToNearestEven) {
+  EXPECT_EQ(to_bfloat16(1.0f).bits, 0x3F80);
+  EXPECT_EQ(to_bfloat16(1.0f + 1.0f / 256).bits, 0x3F80);                 // tie, even stays
+  EXPECT_EQ(to_bfloat16(1.0f + 3.0f / 256).bits, 0x3F82);                 // tie, odd rounds up
+  EXPECT_EQ(to_bfloat16(1.0f + 1.0f / 256 + 1.0f / 65536).bits, 0x3F81);  // above the tie
+  EXPECT_TRUE(std::isnan(to_float(to_bfloat16(std::nanf("")))));
+  EXPECT_EQ(to_float(to_bfloat16(-std::numeric_limits<float>::infinity())), -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(to_float16(1.0f).bits, 0x3C00);
+  EXPECT_EQ(to_float(to_float16(65504.0f)), 65504.0f);
+  EXPECT_EQ(to_float(to_float16(65519.0f)), 65504.0f);
+  EXPECT_EQ(to_float(to_float16(65520.0f)), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(to_float16(std::ldexp(1.0f, -24)).bits, 0x0001);       // smallest subnormal
+  EXPECT_EQ(to_float16(std::ldexp(1.0f, -25)).bits, 0x0000);       // tie to even: zero
+  EXPECT_EQ(to_float16(std::ldexp(1.5f, -25)).bits, 0x0001);
+  EXPECT_EQ(to_float16(std::ldexp(3.0f, -25)).bits, 0x0002);       // 1.5 ulp: tie to even (2)
+  EXPECT_TRUE(std::isnan(to_float(to_float16(std::nanf("")))));
+  // Every float16 value survives float and back; every bf16 value too.
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const float16 h{static_cast<uint16_t>(b)};
+    const float f = to_float(h);
+    if (!std::isnan(f)) ASSERT_EQ(to_float16(f).bits, h.bits) << b;
+    const bfloat16 g{static_cast<uint16_t>(b)};
+    if (!std::isnan(to_float(g))) ASSERT_EQ(to_bfloat16(to_float(g)).bits, g.bits) << b;
+  }
+}
+
+}  // namespace
+}  // namespace mha::test

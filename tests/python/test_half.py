@@ -1,0 +1,133 @@
+"""bfloat16 and float16 through the Python API, against torch 2.x in the same dtype.
+
+Truth: torch's SDPA in float64 on the same 16-bit values (widened exactly). Bound
+(docs/numerics.md, "16-bit types"): mha's error is at most twice torch's own error in that dtype
+plus a small absolute term, err(mha) <= 2 err(torch 16-bit) + ABS16, with ABS16 = one rounding
+of the result (2^-8 for bfloat16, 2^-11 for float16, relative to max |result|): where torch's
+16-bit result happens to round exactly, ours may round the other way on a tie-close value.
+"""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, HealthCheck
+from hypothesis import strategies as st
+
+import mha
+from conftest import record, rel_error, torch_sdpa
+
+UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def within(got, want64, torch16, dtype, name):
+    err = rel_error(got.double().numpy(), want64.numpy())
+    ref = rel_error(torch16.double().numpy(), want64.numpy())
+    record(f"{name} {NAME[dtype]}", err)
+    assert err <= 2 * ref + UNIT[dtype], f"{name}: mha {err:.3e}, torch {NAME[dtype]} {ref:.3e}"
+
+
+@st.composite
+def half_case(draw):
+    hq = draw(st.integers(1, 6))
+    hk = draw(st.sampled_from([d for d in range(1, hq + 1) if hq % d == 0]))
+    return dict(B=draw(st.integers(1, 2)), hq=hq, hk=hk, L=draw(st.integers(1, 70)), S=draw(st.integers(1, 70)),
+                E=draw(st.integers(1, 72)), Ev=draw(st.integers(1, 72)), causal=draw(st.booleans()),
+                mask=draw(st.sampled_from(["none", "bool", "float"])), dtype=draw(st.sampled_from(list(UNIT))),
+                seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(half_case())
+def test_forward_matches_torch_in_its_dtype(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    dt = c["dtype"]
+    q = torch.randn(c["B"], c["hq"], c["L"], c["E"], generator=g).to(dt)
+    k = torch.randn(c["B"], c["hk"], c["S"], c["E"], generator=g).to(dt)
+    v = torch.randn(c["B"], c["hk"], c["S"], c["Ev"], generator=g).to(dt)
+    mask = None
+    if c["mask"] == "bool":
+        mask = torch.rand(c["L"], c["S"], generator=g) < 0.8
+        mask[:, 0] = True  # torch gives NaN for rows with no key; tested elsewhere
+    elif c["mask"] == "float":
+        mask = torch.randn(c["L"], c["S"], generator=g).to(dt)
+    causal = c["causal"] and c["L"] <= c["S"]  # top-left causal with L > S leaves rows empty
+    gqa = c["hq"] != c["hk"]
+    got = mha.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    assert got.dtype == dt
+    want = torch_sdpa(q, k, v, mask, causal, enable_gqa=gqa)
+    t16 = torch_sdpa(q, k, v, mask, causal, enable_gqa=gqa, dtype=dt)
+    within(got, want, t16, dt, "sdpa out")
+
+
+@pytest.mark.parametrize("dt", list(UNIT))
+def test_weights_and_lse(dt):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 40, 32, generator=g).to(dt) for _ in range(3))
+    out, lse, w = mha.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True, return_weights=True)
+    assert out.dtype == dt and w.dtype == dt and lse.dtype == torch.float32
+    q64, k64 = q.double(), k.double()
+    s = (q64 @ k64.transpose(-1, -2)) / np.sqrt(32)
+    s = s.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf"))
+    want_lse = torch.logsumexp(s, -1)
+    want_w = torch.softmax(s, -1)
+    assert rel_error(lse.double().numpy(), want_lse.numpy()) < 1e-5
+    # Weights: float32 probabilities rounded once to dt.
+    assert rel_error(w.double().numpy(), want_w.numpy()) <= UNIT[dt] + 1e-6
+
+
+@pytest.mark.parametrize("dt", list(UNIT))
+def test_autograd_matches_torch_in_its_dtype(dt):
+    g = torch.Generator().manual_seed(7)
+    shapes = [(2, 4, 50, 40), (2, 2, 60, 40), (2, 2, 60, 24)]
+    base = [torch.randn(s, generator=g).to(dt) for s in shapes]
+    dout = torch.randn(2, 4, 50, 24, generator=g).to(dt)
+
+    def grads(fn, dtype):
+        xs = [b.to(dtype).detach().requires_grad_() for b in base]
+        out = fn(*xs)
+        out.backward(dout.to(dtype))
+        return [x.grad for x in xs]
+
+    def torch_fn(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    mine = grads(lambda q, k, v: mha.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), dt)
+    want = grads(torch_fn, torch.float64)
+    t16 = grads(torch_fn, dt)
+    for name, a, w, t in zip(("dq", "dk", "dv"), mine, want, t16):
+        assert a.dtype == dt
+        within(a, w, t, dt, f"autograd {name}")
+
+
+def test_numpy_float16_in_and_out():
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 3, 20, 16)).astype(np.float16)
+    out = mha.scaled_dot_product_attention(q, q, q)
+    assert out.dtype == np.float16
+    want = torch_sdpa(q, q, q)
+    t16 = torch_sdpa(q, q, q, dtype=torch.float16)
+    within(torch.from_numpy(out), want, t16, torch.float16, "numpy out")
+
+
+def test_dtype_errors():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(mha.Error, match="one dtype"):
+        mha.scaled_dot_product_attention(q.bfloat16(), q, q)
+    with pytest.raises(mha.Error, match="float32, bfloat16 or float16"):
+        mha.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    with pytest.raises(mha.Error, match="attn_mask"):
+        mha.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), attn_mask=torch.zeros(4, 4).half())
+    with pytest.raises(mha.Error, match="float32 or float16"):
+        a = np.zeros((1, 2, 4, 8))
+        mha.scaled_dot_product_attention(a, a, a)
+
+
+@pytest.mark.parametrize("dt", list(UNIT))
+def test_fully_masked_rows_are_zero(dt):
+    q = torch.randn(1, 2, 3, 8).to(dt)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask[1] = False
+    out = mha.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert out.dtype == dt
+    assert torch.all(out[:, :, 1] == 0)
+    assert torch.isfinite(out).all()
