@@ -1,10 +1,11 @@
-"""mha against the CPU peers, side by side in one process: PyTorch 2.x SDPA (fp32, bf16, fp16),
+"""mha (fp32, bf16, fp16) against the CPU peers, side by side in one process: PyTorch 2.x SDPA (fp32, bf16, fp16),
 OpenVINO's opset13 scaled_dot_product_attention (INFERENCE_PRECISION_HINT f32 and bf16: without
 the hint it may silently run bf16), ONNX Runtime's com.microsoft.MultiHeadAttention (fp32; inputs
 (B, T, H·D); its flash path has no causal mask, so causal rows show "—").
 
 Each cell: GFLOP/s (4·B·H·Tq·Tk·D, causal counting only the visible part), the relative error
-against torch float64 on the same (dtype-rounded) inputs, and mha fp32's speed over the cell's.
+against torch float64 on the float32 inputs (so 16-bit columns include the rounding of their
+inputs), and the speed of mha in the same precision (fp32, bf16 or fp16) over the cell's.
 Timing: the median of repeated calls over at least --seconds, after a warm-up; 2 threads for
 every library. Run through bench/peers.sh, which installs the peers; the fp32 FMA peak comes from
 `mha bench --peak` (--peak here).
@@ -56,10 +57,15 @@ def torch_case(q, k, v, causal, dtype):
     return run, lambda: run().float().numpy()
 
 
-def mha_case(q, k, v, causal):
-    a, b, c = (x.numpy() for x in (q, k, v))
+def mha_case(q, k, v, causal, dtype=torch.float32):
+    """mha on torch tensors of dtype (through DLPack, no copies; float32 also as numpy)."""
+    if dtype == torch.float32:
+        a, b, c = (x.numpy() for x in (q, k, v))
+        run = lambda: mha.scaled_dot_product_attention(a, b, c, is_causal=causal)  # noqa: E731
+        return run, run
+    a, b, c = (x.to(dtype) for x in (q, k, v))
     run = lambda: mha.scaled_dot_product_attention(a, b, c, is_causal=causal)  # noqa: E731
-    return run, run
+    return run, lambda: run().float().numpy()
 
 
 def openvino_case(q, k, v, causal, precision):
@@ -107,13 +113,15 @@ def main():
     parser.add_argument("--markdown", default=None, help="also write the table here")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
-    peers = [("torch fp32", lambda q, k, v, c: torch_case(q, k, v, c, torch.float32)),
-             ("torch bf16", lambda q, k, v, c: torch_case(q, k, v, c, torch.bfloat16)),
-             ("torch fp16", lambda q, k, v, c: torch_case(q, k, v, c, torch.float16)),
-             ("OpenVINO f32", lambda q, k, v, c: openvino_case(q, k, v, c, "f32")),
-             ("OpenVINO bf16", lambda q, k, v, c: openvino_case(q, k, v, c, "bf16")),
-             ("ORT fp32 MHA", onnxruntime_case)]
-    header = ["shape (B, H, T, D)", "mha fp32"] + [name for name, _ in peers]
+    # (name, the mha column it is compared with, case maker)
+    peers = [("torch fp32", "fp32", lambda q, k, v, c: torch_case(q, k, v, c, torch.float32)),
+             ("torch bf16", "bf16", lambda q, k, v, c: torch_case(q, k, v, c, torch.bfloat16)),
+             ("torch fp16", "fp16", lambda q, k, v, c: torch_case(q, k, v, c, torch.float16)),
+             ("OpenVINO f32", "fp32", lambda q, k, v, c: openvino_case(q, k, v, c, "f32")),
+             ("OpenVINO bf16", "bf16", lambda q, k, v, c: openvino_case(q, k, v, c, "bf16")),
+             ("ORT fp32 MHA", "fp32", onnxruntime_case)]
+    mine = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
+    header = ["shape (B, H, T, D)"] + [f"mha {n}" for n, _ in mine] + [name for name, _, _ in peers]
     rows = []
     for B, H, T, D, causal in SHAPES:
         gen = torch.Generator().manual_seed(0)
@@ -121,25 +129,32 @@ def main():
         want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                                                 is_causal=causal).numpy()
         work = flops(B, H, T, D, causal)
-        run, result = mha_case(q, k, v, causal)
-        mha_seconds = median_seconds(run, args.seconds)
-        cells = [f"{work / mha_seconds / 1e9:.0f} ({100 * work / mha_seconds / 1e9 / args.peak:.0f}% fp32 peak, "
-                 f"{rel_error(result(), want):.0e})"]
-        for name, make in peers:
+        mha_seconds, cells = {}, []
+        for label, dtype in mine:
+            run, result = mha_case(q, k, v, causal, dtype)
+            mha_seconds[label] = median_seconds(run, args.seconds)
+            gflops = work / mha_seconds[label] / 1e9
+            peak = f"{100 * gflops / args.peak:.0f}% fp32 peak"
+            if label == "bf16" and args.bf16_peak:
+                peak += f", {100 * gflops / args.bf16_peak:.0f}% bf16 peak"
+            cells.append(f"{gflops:.0f} ({peak}, {rel_error(result(), want):.0e})")
+        for name, versus, make in peers:
             case = make(q, k, v, causal)
             if case is None:
                 cells.append("—")
                 continue
             run, result = case
             seconds = median_seconds(run, args.seconds)
-            cells.append(f"{work / seconds / 1e9:.0f} ({rel_error(result(), want):.0e}; mha {seconds / mha_seconds:.2f}×)")
+            cells.append(f"{work / seconds / 1e9:.0f} ({rel_error(result(), want):.0e}; mha {versus} "
+                         f"{seconds / mha_seconds[versus]:.2f}×)")
         shape = f"({B}, {H}, {T}, {D}){' causal' if causal else ''}"
         rows.append([shape] + cells)
         print(" | ".join([shape] + cells), flush=True)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     table = "\n".join(lines)
-    note = (f"\nGFLOP/s (relative error vs torch float64; mha fp32's speed over the cell's). fp32 FMA peak "
+    note = (f"\nGFLOP/s (relative error vs torch float64 on the float32 inputs; the speed of the mha column of the "
+            f"same precision over the cell's). fp32 FMA peak "
             f"{args.peak:.0f} GFLOP/s" + (f", bf16 peak {args.bf16_peak:.0f}" if args.bf16_peak else "") +
             f"; {THREADS} threads; torch {torch.__version__}.\n")
     print("\n" + table + note)
