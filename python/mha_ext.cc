@@ -94,13 +94,28 @@ View<T> optional_view(const std::optional<A>& a, const char* name) {
   return a ? view_of<T>(*a, name) : View<T>();
 }
 
-// A numpy array owning `t` (no copy).
-Numpy to_numpy(Tensor&& t) {
+// A numpy array owning `t` (no copy): float32, float16, or for bfloat16 (which numpy lacks) its
+// bits as uint16, which the Python layer views as torch.bfloat16.
+nb::ndarray<nb::numpy> to_numpy(Tensor&& t) {
   if (!t.defined()) throw Error("internal: returning an undefined tensor");
   auto* owner = new Tensor(std::move(t));
   nb::capsule deleter(owner, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
   std::vector<size_t> shape(owner->shape().begin(), owner->shape().end());
-  return Numpy(owner->data<float>(), shape.size(), shape.data(), deleter);
+  const nb::dlpack::dtype dtype = owner->dtype() == DType::kF32    ? nb::dtype<float>()
+                                  : owner->dtype() == DType::kF16 ? kFloat16
+                                                                  : nb::dtype<uint16_t>();
+  return nb::ndarray<nb::numpy>(owner->raw(), shape.size(), shape.data(), deleter, nullptr, dtype);
+}
+
+DType dtype_of(const std::string& name) {
+  if (name == "float32") return DType::kF32;
+  if (name == "bfloat16") return DType::kBF16;
+  if (name == "float16") return DType::kF16;
+  throw Error("dtype must be 'float32', 'bfloat16' or 'float16'; got '" + name + "'");
+}
+
+const char* dtype_label(DType t) {
+  return t == DType::kBF16 ? "bfloat16" : t == DType::kF16 ? "float16" : "float32";
 }
 
 Causal causal_of(int c) {
@@ -213,6 +228,8 @@ void attention_backward_py(const In& q, const In& k, const In& v, const In& out,
 
 // --- Module ---------------------------------------------------------------------------------------
 
+// Weights arrive as float32 (the Python layer widens every floating dtype exactly); the module
+// converts them to its own dtype.
 StateDict state_dict_of(const std::map<std::string, In>& arrays) {
   StateDict sd;
   for (const auto& [name, a] : arrays) {
@@ -236,8 +253,9 @@ struct PyMha {
 MultiHeadAttentionConfig config_of(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
                                    int64_t qk_proj_dim, int64_t v_proj_dim, int64_t out_dim, bool bias, bool out_proj,
                                    float attn_dropout, float out_dropout, int causal, int64_t window,
-                                   int64_t max_seq_len, bool batch_first) {
+                                   int64_t max_seq_len, bool batch_first, const std::string& dtype) {
   MultiHeadAttentionConfig c;
+  c.dtype = dtype_of(dtype);
   c.embed_dim = embed_dim;
   c.num_heads = num_heads;
   c.num_kv_heads = num_kv_heads;
@@ -275,6 +293,7 @@ nb::dict config_dict(const MultiHeadAttentionConfig& c, const MultiHeadAttention
   d["window"] = c.window;
   d["max_seq_len"] = c.max_seq_len;
   d["batch_first"] = c.batch_first;
+  d["dtype"] = dtype_label(c.dtype);
   return d;
 }
 
@@ -315,10 +334,11 @@ NB_MODULE(_mha, m) {
           "__init__",
           [](PyMha* self, int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
              int64_t qk_proj_dim, int64_t v_proj_dim, int64_t out_dim, bool bias, bool out_proj, float attn_dropout,
-             float out_dropout, int causal, int64_t window, int64_t max_seq_len, bool batch_first, uint64_t seed) {
+             float out_dropout, int causal, int64_t window, int64_t max_seq_len, bool batch_first, uint64_t seed,
+             const std::string& dtype) {
             new (self) PyMha{MultiHeadAttention(config_of(embed_dim, num_heads, num_kv_heads, kdim, vdim, qk_proj_dim, v_proj_dim,
                                                           out_dim, bias, out_proj, attn_dropout, out_dropout, causal,
-                                                          window, max_seq_len, batch_first),
+                                                          window, max_seq_len, batch_first, dtype),
                                                 seed),
                              "", {}};
           },
@@ -326,12 +346,14 @@ NB_MODULE(_mha, m) {
           nb::arg("vdim") = 0, nb::arg("qk_proj_dim") = 0, nb::arg("v_proj_dim") = 0, nb::arg("out_dim") = 0,
           nb::arg("bias") = true, nb::arg("out_proj") = true, nb::arg("attn_dropout") = 0.0f,
           nb::arg("out_dropout") = 0.0f, nb::arg("causal") = 0, nb::arg("window") = 0, nb::arg("max_seq_len") = 0,
-          nb::arg("batch_first") = true, nb::arg("seed") = 0)
+          nb::arg("batch_first") = true, nb::arg("seed") = 0, nb::arg("dtype") = "float32")
       .def_static(
           "from_state_dict",
           [](const std::map<std::string, In>& arrays, int64_t num_heads, int causal, int64_t window,
-             int64_t max_seq_len, bool batch_first, float attn_dropout, float out_dropout, const std::string& prefix) {
+             int64_t max_seq_len, bool batch_first, float attn_dropout, float out_dropout, const std::string& prefix,
+             const std::string& dtype) {
             MultiHeadAttentionConfig base;
+            base.dtype = dtype_of(dtype);
             base.num_heads = num_heads;
             base.causal = causal_of(causal);
             base.window = window;
@@ -345,7 +367,7 @@ NB_MODULE(_mha, m) {
           },
           nb::arg("state_dict"), nb::arg("num_heads"), nb::arg("causal") = 0, nb::arg("window") = 0,
           nb::arg("max_seq_len") = 0, nb::arg("batch_first") = true, nb::arg("attn_dropout") = 0.0f,
-          nb::arg("out_dropout") = 0.0f, nb::arg("prefix") = "")
+          nb::arg("out_dropout") = 0.0f, nb::arg("prefix") = "", nb::arg("dtype") = "float32")
       .def_ro("layout", &PyMha::layout)
       .def_ro("ignored", &PyMha::ignored)
       .def(
@@ -357,8 +379,14 @@ NB_MODULE(_mha, m) {
           nb::arg("state_dict"), nb::arg("prefix") = "")
       .def("state_dict",
            [](const PyMha& self) {
+             // float32 arrays for every module dtype (16-bit values widen exactly).
              std::map<std::string, Numpy> out;
-             for (auto& [name, t] : self.m.state_dict()) out.emplace(name, to_numpy(std::move(t)));
+             for (auto& [name, t] : self.m.state_dict()) {
+               Tensor* owner = new Tensor(t.to_f32());
+               nb::capsule deleter(owner, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
+               std::vector<size_t> shape(owner->shape().begin(), owner->shape().end());
+               out.emplace(name, Numpy(owner->data<float>(), shape.size(), shape.data(), deleter));
+             }
              return out;
            })
       .def_prop_ro("config", [](const PyMha& self) { return config_dict(self.m.config(), self.m); })
@@ -369,13 +397,17 @@ NB_MODULE(_mha, m) {
              const std::optional<In>& key_padding_mask, bool need_weights, bool average_weights, bool training,
              std::optional<int> causal, std::optional<uint64_t> dropout_seed, int num_threads,
              const std::string& backend) {
-            MhaInputs in;
-            in.query = view_of<const float>(query, "query");
-            in.key = optional_view<const float>(key, "key");
-            in.value = optional_view<const float>(value, "value");
-            in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
-            in.attn_bias = optional_view<const float>(attn_bias, "attn_mask");
-            in.key_padding_mask = optional_view<const uint8_t>(key_padding_mask, "key_padding_mask");
+            auto inputs = [&](auto type_tag) {
+              using T = decltype(type_tag);
+              BasicMhaInputs<T> in;
+              in.query = view_of<const T>(query, "query");
+              in.key = optional_view<const T>(key, "key");
+              in.value = optional_view<const T>(value, "value");
+              in.keep_mask = optional_view<const uint8_t>(keep_mask, "attn_mask");
+              in.attn_bias = optional_view<const float>(attn_bias, "attn_mask");
+              in.key_padding_mask = optional_view<const uint8_t>(key_padding_mask, "key_padding_mask");
+              return in;
+            };
             // Every setting travels with the call: the module is shared, never changed here.
             MhaCallOptions options;
             options.need_weights = need_weights;
@@ -386,9 +418,25 @@ NB_MODULE(_mha, m) {
             options.num_threads = num_threads;
             options.backend = backend_of(backend);
             MhaOutputs r;
-            {
-              nb::gil_scoped_release release;
-              r = self.m.forward(in, options);
+            switch (self.m.config().dtype) {
+              case DType::kBF16: {
+                const auto in = inputs(bfloat16{});
+                nb::gil_scoped_release release;
+                r = self.m.forward(in, options);
+                break;
+              }
+              case DType::kF16: {
+                const auto in = inputs(float16{});
+                nb::gil_scoped_release release;
+                r = self.m.forward(in, options);
+                break;
+              }
+              default: {
+                const auto in = inputs(float{});
+                nb::gil_scoped_release release;
+                r = self.m.forward(in, options);
+                break;
+              }
             }
             nb::object weights = need_weights ? nb::cast(to_numpy(std::move(r.weights))) : nb::none();
             return std::make_tuple(to_numpy(std::move(r.output)), weights);
@@ -408,9 +456,16 @@ NB_MODULE(_mha, m) {
             MhaCallOptions options;
             options.num_threads = num_threads;
             MhaOutputs r;
-            {
+            auto run = [&](auto type_tag) {
+              using T = decltype(type_tag);
+              const View<const T> v = view_of<const T>(x, "x");
               nb::gil_scoped_release release;
-              r = self.m.step(view_of<const float>(x, "x"), cache, new_tokens, options);
+              r = self.m.step(v, cache, new_tokens, options);
+            };
+            switch (self.m.config().dtype) {
+              case DType::kBF16: run(bfloat16{}); break;
+              case DType::kF16: run(float16{}); break;
+              default: run(float{}); break;
             }
             return to_numpy(std::move(r.output));
           },

@@ -62,18 +62,28 @@ struct MultiHeadAttentionConfig {
                               // window-1 positions before it; 0: no window
   int64_t max_seq_len = 0;    // 0: unlimited; else Tq or Tk above it is an error (block_size)
   bool batch_first = true;    // (B, T, E); false: (T, B, E)
+  // Element type of the weights, the inputs and the outputs: kF32, kBF16 or kF16. A 16-bit
+  // module stores its weight matrices in that type (half the memory) and computes in float32:
+  // bfloat16 projections run on oneDNN's bf16 matmul (float32 accumulation); float16 ones widen
+  // the weights per call (no float16 arithmetic on x86 without AVX512-FP16). Projections,
+  // attention and its weights stay float32 inside; outputs are rounded once to dtype. Biases are
+  // float32 in every module. 16-bit modules run forward() and step(); backward() needs float32.
+  DType dtype = DType::kF32;
 };
 
-// The data of one call: inputs and masks. Views are read during the call only.
-struct MhaInputs {
-  View<const float> query;             // (B, Tq, E)
-  View<const float> key;               // (B, Tk, kdim); not given: self-attention
-  View<const float> value;             // (B, Tk, vdim); not given: self-attention
+// The data of one call: inputs and masks. Views are read during the call only. T is the
+// module's dtype (float, bfloat16 or float16).
+template <typename T>
+struct BasicMhaInputs {
+  View<const T> query;                 // (B, Tq, E)
+  View<const T> key;                   // (B, Tk, kdim); not given: self-attention
+  View<const T> value;                 // (B, Tk, vdim); not given: self-attention
   View<const uint8_t> keep_mask;       // optional, nonzero = attend
   View<const float> attn_bias;         // optional, added to scores
   View<const uint8_t> key_padding_mask;  // optional (B, Tk), nonzero = padding
   View<const int64_t> key_lengths;     // optional (B,)
 };
+using MhaInputs = BasicMhaInputs<float>;
 
 // The settings of one call. None of them is stored in the module: calls with different
 // settings may run at the same time on one module.
@@ -90,8 +100,8 @@ struct MhaCallOptions {
 };
 
 struct MhaOutputs {
-  Tensor output;   // (B, Tq, out_dim) or (Tq, B, out_dim) when not batch_first
-  Tensor weights;  // if need_weights
+  Tensor output;   // (B, Tq, out_dim) or (Tq, B, out_dim) when not batch_first; the module's dtype
+  Tensor weights;  // if need_weights; the module's dtype
 };
 
 // Gradient buffers of a module's parameters, in the module's own storage layout; backward()
@@ -130,7 +140,7 @@ struct LoadReport {
   std::string layout;                 // e.g. "nn.MultiheadAttention (in_proj_weight)"
   std::vector<std::string> used;      // names read
   std::vector<std::string> ignored;   // names present but not weights of this module
-  std::vector<std::string> converted; // names converted to float32 from another dtype
+  std::vector<std::string> converted; // names converted to the module's dtype from another dtype
 };
 
 class MultiHeadAttention {
@@ -158,6 +168,10 @@ class MultiHeadAttention {
   // its options it uses num_threads and backend. It reads the module's current weights: call it
   // before changing them (before the optimizer step). Both are const; one MhaParamGrads per thread.
   MhaOutputs forward(const MhaInputs& inputs, const MhaCallOptions& options = {}, MhaTape* tape = nullptr) const;
+  // 16-bit modules (config().dtype kBF16 / kF16): inputs of that type; no tape (inference and
+  // dropout only). The input type must be the module's dtype, else an mha::Error.
+  MhaOutputs forward(const BasicMhaInputs<bfloat16>& inputs, const MhaCallOptions& options = {}) const;
+  MhaOutputs forward(const BasicMhaInputs<float16>& inputs, const MhaCallOptions& options = {}) const;
   MhaInputGrads backward(const MhaTape& tape, const View<const float>& grad_output, MhaParamGrads* grads,
                          const MhaCallOptions& options = {}) const;
   MhaParamGrads make_grads() const;
@@ -176,6 +190,11 @@ class MultiHeadAttention {
   // Thread safety: one cache per thread.
   MhaOutputs step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens = {},
                  const MhaCallOptions& options = {}) const;
+  // 16-bit modules: x of the module's dtype; the cache holds float32 keys and values.
+  MhaOutputs step(const View<const bfloat16>& x, KvCache& cache, const std::vector<int64_t>& new_tokens = {},
+                  const MhaCallOptions& options = {}) const;
+  MhaOutputs step(const View<const float16>& x, KvCache& cache, const std::vector<int64_t>& new_tokens = {},
+                  const MhaCallOptions& options = {}) const;
   // A cache for this module's kv heads and head dims, with config().window.
   KvCache make_cache(int64_t batch, int64_t capacity = 0) const;
 
@@ -185,7 +204,8 @@ class MultiHeadAttention {
   int64_t output_dim() const { return config_.out_proj ? config_.out_dim : config_.v_proj_dim; }
 
   // Parameters, PyTorch layout: weight (out, in), bias (out). Bias views are empty (rank 0)
-  // for a projection without bias.
+  // for a projection without bias. weight() is for float32 modules (an mha::Error otherwise:
+  // read a 16-bit module's weights through state_dict()); bias() serves every module.
   enum Proj { kQ = 0, kK = 1, kV = 2, kOut = 3 };
   View<float> weight(Proj p);
   View<const float> weight(Proj p) const;
@@ -203,11 +223,24 @@ class MultiHeadAttention {
   };
   Dims dims() const;
   void check_proj(Proj p) const;  // an mha::Error unless p is kQ, kK, kV or kOut
+  // The weight matrix of p in the module's dtype, (rows[p], cols[p]) row-major.
+  void* weight_data(Proj p);
+  const void* weight_data(Proj p) const;
   // y (rows × out, row stride ldy) = x (rows × in, contiguous) · Wᵀ + b of projection p, on the
-  // module's backend.
-  void project(Proj p, const float* x, int64_t rows, float* y, int64_t ldy, const MhaCallOptions& options) const;
+  // module's backend. x's type is the module's dtype (float32 rows for float32 and float16
+  // modules; bfloat16 rows for bfloat16 modules, see modules::InputRows).
+  void project(Proj p, const void* x, int64_t rows, float* y, int64_t ldy, const MhaCallOptions& options) const;
   // Rows of [q | k | v] = x · [Wq; Wk; Wv]ᵀ + [bq; bk; bv]: self-attention's one GEMM.
-  void project_qkv(const float* x, int64_t rows, float* qkv, const MhaCallOptions& options) const;
+  void project_qkv(const void* x, int64_t rows, float* qkv, const MhaCallOptions& options) const;
+  // y = x · Wᵀ + b for a weight matrix at `w` (rows × cols, in the module's dtype).
+  void linear_rows(const void* w, int64_t w_rows, int64_t w_cols, const float* b, const void* x, int64_t rows, float* y,
+                   int64_t ldy, const MhaCallOptions& options) const;
+  template <typename T>
+  MhaOutputs forward_impl(const BasicMhaInputs<T>& inputs, const MhaCallOptions& options, MhaTape* tape) const;
+  template <typename T>
+  MhaOutputs step_impl(const View<const T>& x, KvCache& cache, const std::vector<int64_t>& new_tokens,
+                       const MhaCallOptions& options) const;
+  void check_dtype(DType input, const char* where) const;
   // (B, T, output_dim()) or (T, B, output_dim()).
   std::vector<int64_t> output_shape(int64_t B, int64_t T) const;
   bool packed() const { return config_.kdim == config_.embed_dim && config_.vdim == config_.embed_dim; }

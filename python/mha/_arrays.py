@@ -58,21 +58,6 @@ def check_int(x, name, lo, hi):
     return x
 
 
-def check_float32(x, name):
-    if is_torch(x):
-        torch = torch_module()
-        if x.device.type != "cpu":
-            raise Error(f"{name}: mha runs on the CPU; got a tensor on {x.device}")
-        if x.dtype != torch.float32:
-            raise Error(f"{name}: mha computes in float32; got {x.dtype} {tuple(x.shape)} (use .float())")
-        return x
-    if not isinstance(x, np.ndarray):
-        raise Error(f"{name}: expected a numpy array or a torch tensor; got {type(x).__name__}")
-    if x.dtype != np.float32:
-        raise Error(f"{name}: mha computes in float32; got {x.dtype} {x.shape} (use .astype(np.float32))")
-    return x
-
-
 def check_attention_dtype(x, name):
     """float32, bfloat16 (torch) or float16 on the CPU: the element types attention computes with
     (float32 arithmetic, results rounded once to the input's type). Returns the dtype's name."""

@@ -11,6 +11,9 @@ Differences (docs/semantics.md): a query with every key masked gets zeros before
 projection (torch: NaN); is_causal without attn_mask applies the analytic causal mask (top-left;
 no L x S mask is built; torch raises);
 add_bias_kv and add_zero_attn are not supported (an error says so).
+dtype= float32 (default), bfloat16 or float16: the weights are stored in it and inputs must have
+it; the module computes in float32 inside and rounds its outputs once (bfloat16 modules need
+torch tensors: numpy has no bfloat16). 16-bit modules run forward and step; train in float32.
 Extras: num_kv_heads (GQA), keep_mask= (nonzero = attend, BERT-style polarity), dropout_seed=,
 training= (this call's mode instead of the module's), key/value optional (self-attention), step()
 with a KvCache for decoding, from_torch().
@@ -26,6 +29,32 @@ Error = _mha.Error
 KvCache = _mha.KvCache
 
 _HEAD_ATTRIBUTES = ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads", "h")
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_name(dtype):
+    """None (float32), a torch dtype, a numpy dtype or a name -> "float32" / "bfloat16" / "float16"."""
+    if dtype is None:
+        return "float32"
+    name = str(dtype).replace("torch.", "")
+    if name in _DTYPE_NAMES:
+        return name
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        pass
+    if name in _DTYPE_NAMES:
+        return name
+    raise Error(f"MultiheadAttention: dtype must be float32, bfloat16 or float16; got {dtype}")
+
+
+def _out(kind, a):
+    """A result array of the extension in the caller's kind; bfloat16 travels as uint16 bits."""
+    if a is None:
+        return None
+    if a.dtype == np.uint16:
+        return A.torch_module().from_numpy(a).view(A.torch_module().bfloat16)
+    return A.from_numpy(kind, a)
 
 
 def _numpy_state_dict(state_dict):
@@ -53,11 +82,12 @@ class MultiheadAttention:
             raise Error("MultiheadAttention: add_bias_kv and add_zero_attn are not supported by mha")
         if device is not None and str(device) != "cpu":
             raise Error(f"MultiheadAttention: mha runs on the CPU; got device={device}")
-        if dtype is not None and "float32" not in str(dtype):
-            raise Error(f"MultiheadAttention: mha computes in float32; got dtype={dtype}")
+        # dtype: the weights', inputs' and outputs' type (float32, bfloat16 or float16); 16-bit
+        # modules compute in float32 inside and run forward and step (no autograd through them).
         self._m = _mha.Module(embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads or 0,
                               kdim=kdim or 0, vdim=vdim or 0, bias=bias, attn_dropout=float(dropout),
-                              out_dropout=float(out_dropout), batch_first=batch_first, seed=seed)
+                              out_dropout=float(out_dropout), batch_first=batch_first, seed=seed,
+                              dtype=_dtype_name(dtype))
         self.training = True
         self.num_threads = num_threads
         self.backend = "auto"
@@ -66,15 +96,16 @@ class MultiheadAttention:
 
     @classmethod
     def from_state_dict(cls, state_dict, num_heads, *, causal=False, max_seq_len=0, batch_first=True, dropout=0.0,
-                        out_dropout=0.0, prefix="", num_threads=0):
+                        out_dropout=0.0, prefix="", num_threads=0, dtype=None):
         """A module whose layout (widths, kv heads, bias, output projection) is read from the
         weights' names and shapes: nn.MultiheadAttention's or separate q/k/v/out Linear layers
-        (the seed modules). `state_dict` maps names to torch tensors or numpy arrays."""
+        (the seed modules). `state_dict` maps names to torch tensors or numpy arrays; dtype is the
+        module's (default float32), the weights are converted to it."""
         self = cls.__new__(cls)
         self._m = _mha.Module.from_state_dict(_numpy_state_dict(state_dict), num_heads, causal=1 if causal else 0,
                                               max_seq_len=max_seq_len, batch_first=batch_first,
                                               attn_dropout=float(dropout), out_dropout=float(out_dropout),
-                                              prefix=prefix)
+                                              prefix=prefix, dtype=_dtype_name(dtype))
         self.training = True
         self.num_threads = num_threads
         self.backend = "auto"
@@ -85,8 +116,12 @@ class MultiheadAttention:
         """The same module in mha, weights copied. nn.MultiheadAttention keeps its settings
         (batch_first, dropout, kdim/vdim, training mode); another module (such as the seeds')
         is read through from_state_dict: pass num_heads unless the module has an attribute
-        for it, and causal/max_seq_len/batch_first as it behaves."""
+        for it, and causal/max_seq_len/batch_first as it behaves. The dtype follows the module's
+        parameters (float32, bfloat16 or float16) unless dtype= is given."""
         torch = A.torch_module()
+        if "dtype" not in kwargs:
+            params = list(module.parameters())
+            kwargs["dtype"] = params[0].dtype if params else None
         if torch is not None and isinstance(module, torch.nn.MultiheadAttention):
             if module.bias_k is not None or module.add_zero_attn:
                 raise Error("MultiheadAttention.from_torch: add_bias_kv and add_zero_attn are not supported by mha")
@@ -134,6 +169,21 @@ class MultiheadAttention:
     batch_first = property(lambda self: self._m.config["batch_first"])
     dropout = property(lambda self: self._m.config["attn_dropout"])
     head_dim = property(lambda self: self._m.config["qk_proj_dim"] // self._m.config["num_heads"])
+    dtype = property(lambda self: self._m.config["dtype"])
+
+    def _check_input(self, x, name):
+        got = A.check_attention_dtype(x, f"MultiheadAttention: {name}")
+        if got != self.dtype:
+            raise Error(f"MultiheadAttention: {name} is {got} but the module's dtype is {self.dtype} (convert the "
+                        f"input, or build the module with dtype={got})")
+
+    def _float_mask(self, m, name):
+        """A float mask: float32 or the module's dtype, handed over as float32 (added to the scores)."""
+        got = A.check_attention_dtype(m, f"MultiheadAttention: {name}")
+        if got not in ("float32", self.dtype):
+            raise Error(f"MultiheadAttention: a float {name} must be float32 or the module's dtype ({self.dtype}); "
+                        f"got {got}")
+        return m if got == "float32" else A.to_float32(m)
 
     def train(self, mode=True):
         self.training = bool(mode)
@@ -156,10 +206,10 @@ class MultiheadAttention:
         self_attention = key is None or (key is query and value is query)
         if (key is None) != (value is None):
             raise Error("MultiheadAttention: give both key and value, or neither (self-attention)")
-        A.check_float32(query, "query")
+        self._check_input(query, "query")
         if not self_attention:
-            A.check_float32(key, "key")
-            A.check_float32(value, "value")
+            self._check_input(key, "key")
+            self._check_input(value, "value")
         if query.ndim not in (2, 3):
             raise Error(f"MultiheadAttention: query must be (L, E) unbatched, or (N, L, E) / (L, N, E) batched; got "
                         f"{tuple(query.shape)}")
@@ -195,8 +245,7 @@ class MultiheadAttention:
                 blocked_free = A.logical_not(attn_mask)  # torch: True = not allowed
                 keep = blocked_free if keep is None else _and(keep, blocked_free)
             else:
-                A.check_float32(attn_mask, "attn_mask")
-                bias = attn_mask
+                bias = self._float_mask(attn_mask, "attn_mask")
         # is_causal without attn_mask: the analytic causal mask (top-left, as torch's), with block
         # skipping and O(T) memory; with attn_mask, torch takes is_causal as a hint and so does mha.
         causal = 1 if is_causal and attn_mask is None else None
@@ -208,8 +257,7 @@ class MultiheadAttention:
             if A.is_bool(kp):
                 kpm = kp
             else:
-                A.check_float32(kp, "key_padding_mask")
-                kp4 = A.reshape(kp, (N, 1, 1, S))
+                kp4 = A.reshape(self._float_mask(kp, "key_padding_mask"), (N, 1, 1, S))
                 bias = kp4 if bias is None else bias + kp4
         # Settings travel with the call (the C++ module holds none): threads may share a module.
         training = self.training if training is None else bool(training)
@@ -228,7 +276,7 @@ class MultiheadAttention:
             out = out[0] if bf else out[:, 0]
             if weights is not None:
                 weights = weights[0]
-        return A.from_numpy(kind, out), A.from_numpy(kind, weights)
+        return _out(kind, out), _out(kind, weights)
 
     def _num_threads(self):
         """The num_threads attribute, checked (it is set freely, as torch's attributes are)."""
@@ -247,10 +295,10 @@ class MultiheadAttention:
         sequence's earlier positions and itself, as a causal forward over the whole sequence
         would. new_tokens[b]: how many of the n rows of sequence b are real (default all)."""
         kind = A.kind_of(x)
-        A.check_float32(x, "x")
+        self._check_input(x, "x")
         counts = [A.check_int(n, "MultiheadAttention.step: new_tokens", 0, 2**63 - 1) for n in (new_tokens or [])]
         out = self._m.step(A.native(x), cache, counts, num_threads=self._num_threads())
-        return A.from_numpy(kind, out)
+        return _out(kind, out)
 
 
 def _and(a, b):

@@ -4,17 +4,36 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "io/weight_names.h"
 #include "modules/multi_head_attention_internal.h"
 #include "ops/linear.h"
 #include "util/check.h"
+#include "util/fp16.h"
 #include "util/random.h"
 
 namespace mha {
 namespace {
 
 const char* kProjNames[4] = {"q", "k", "v", "out"};
+
+// x rounded to a weight dtype's precision (float32: unchanged).
+float round_to(DType t, float x) {
+  switch (t) {
+    case DType::kBF16: return bf16_to_float(float_to_bf16(x));
+    case DType::kF16: return half_to_float(float_to_half(x));
+    default: return x;
+  }
+}
+
+void store_as(DType t, void* base, int64_t i, float x) {
+  switch (t) {
+    case DType::kBF16: static_cast<uint16_t*>(base)[i] = float_to_bf16(x); break;
+    case DType::kF16: static_cast<uint16_t*>(base)[i] = float_to_half(x); break;
+    default: static_cast<float*>(base)[i] = x; break;
+  }
+}
 
 }  // namespace
 
@@ -48,6 +67,8 @@ MultiHeadAttentionConfig resolve_config(const MultiHeadAttentionConfig& in) {
   MHA_CHECK(c.window >= 0, "MultiHeadAttention: window must be >= 0; got {}", c.window);
   MHA_CHECK(c.window == 0 || c.causal != Causal::kNone, "MultiHeadAttention: a sliding window (window = {}) needs causal",
             c.window);
+  MHA_CHECK(c.dtype == DType::kF32 || c.dtype == DType::kBF16 || c.dtype == DType::kF16,
+            "MultiHeadAttention: dtype must be F32, BF16 or F16; got {}", dtype_name(c.dtype));
   return c;
 }
 
@@ -67,26 +88,28 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config, u
     in_rows = checked_add(in_rows, d.rows[p], "MultiHeadAttention: projection rows");
   }
   try {
-    in_weight_ = Tensor(DType::kF32, {in_weights});
+    in_weight_ = Tensor(config_.dtype, {in_weights});
   } catch (const Error& e) {
     throw Error(std::string("MultiHeadAttention: the q/k/v weights: ") + e.what());
   }
   in_bias_ = Tensor(DType::kF32, {in_rows});
   if (config_.out_proj) {
-    out_weight_ = Tensor(DType::kF32, {d.rows[3], d.cols[3]});
+    out_weight_ = Tensor(config_.dtype, {d.rows[3], d.cols[3]});
     out_bias_ = Tensor(DType::kF32, {d.rows[3]});
   }
   for (int p = 0; p < 4; ++p) has_bias_[p] = config_.bias && (p < 3 || config_.out_proj);
-  // nn.Linear's default initialisation: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
+  // nn.Linear's default initialisation: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias (the
+  // same float32 draws for every dtype, rounded to it; biases hold values of the dtype).
   uint64_t index = 0;
+  const DType t = config_.dtype;
   for (int p = 0; p < 4; ++p) {
     if (p == kOut && !config_.out_proj) continue;
     const float a = 1.0f / std::sqrt(static_cast<float>(d.cols[p]));
-    View<float> w = weight(static_cast<Proj>(p));
-    for (int64_t i = 0; i < w.numel(); ++i) w.data[i] = uniform_pm(seed, index++, a);
+    void* w = weight_data(static_cast<Proj>(p));
+    for (int64_t i = 0; i < d.rows[p] * d.cols[p]; ++i) store_as(t, w, i, uniform_pm(seed, index++, a));
     if (has_bias_[p]) {
       View<float> b = bias(static_cast<Proj>(p));
-      for (int64_t i = 0; i < b.numel(); ++i) b.data[i] = uniform_pm(seed, index++, a);
+      for (int64_t i = 0; i < b.numel(); ++i) b.data[i] = round_to(t, uniform_pm(seed, index++, a));
     }
   }
 }
@@ -107,16 +130,30 @@ void MultiHeadAttention::check_proj(Proj p) const {
             static_cast<int>(p));
 }
 
-View<float> MultiHeadAttention::weight(Proj p) {
+void* MultiHeadAttention::weight_data(Proj p) {
   check_proj(p);
-  const Dims d = dims();
   if (p == kOut) {
     MHA_CHECK(config_.out_proj, "MultiHeadAttention: this module has no output projection");
-    return out_weight_.view<float>();
+    return out_weight_.raw();
   }
+  const Dims d = dims();
   int64_t offset = 0;
   for (int i = 0; i < p; ++i) offset += d.rows[i] * d.cols[i];
-  return View<float>(in_weight_.data<float>() + offset, {d.rows[p], d.cols[p]});
+  return static_cast<std::byte*>(in_weight_.raw()) + offset * static_cast<int64_t>(dtype_size(config_.dtype));
+}
+
+const void* MultiHeadAttention::weight_data(Proj p) const {
+  return const_cast<MultiHeadAttention*>(this)->weight_data(p);
+}
+
+View<float> MultiHeadAttention::weight(Proj p) {
+  check_proj(p);
+  MHA_CHECK(config_.dtype == DType::kF32,
+            "MultiHeadAttention::weight: this module stores {} weights; weight() gives float32 views (read them "
+            "through state_dict())",
+            dtype_name(config_.dtype));
+  const Dims d = dims();
+  return View<float>(static_cast<float*>(weight_data(p)), {d.rows[p], d.cols[p]});
 }
 
 View<const float> MultiHeadAttention::weight(Proj p) const {
@@ -142,24 +179,20 @@ View<const float> MultiHeadAttention::bias(Proj p) const {
 
 namespace {
 
-// A float32 copy of `t` if it is another floating dtype; records the conversion.
-const Tensor& as_f32(const io::FoundTensor& found, Tensor* holder, LoadReport* report) {
+// Copies a found tensor into `dst` (storage of dtype `storage`, shape `want`), its values first
+// converted to the module's dtype `dtype` (recorded when that changes them). Biases are stored
+// in float32 whatever the module's dtype, holding values of that dtype.
+void copy_checked(const io::FoundTensor& found, void* dst, DType storage, DType dtype, const std::vector<int64_t>& want,
+                  LoadReport* report) {
   const Tensor& t = *found.tensor;
-  if (t.dtype() == DType::kF32) return t;
-  MHA_CHECK(t.dtype() == DType::kF64 || t.dtype() == DType::kF16 || t.dtype() == DType::kBF16,
+  MHA_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kF64 || t.dtype() == DType::kF16 || t.dtype() == DType::kBF16,
             "weights: '{}' has dtype {}; weights must be F32, F64, F16 or BF16", found.name, dtype_name(t.dtype()));
-  *holder = t.to_f32();
-  report->converted.push_back(found.name);
-  return *holder;
-}
-
-void copy_checked(const io::FoundTensor& found, View<float> dst, LoadReport* report) {
-  Tensor holder;
-  const Tensor& src = as_f32(found, &holder, report);
-  const std::vector<int64_t> want(dst.shape.begin(), dst.shape.begin() + dst.rank);
-  MHA_CHECK(src.shape() == want, "weights: '{}' has shape {}, expected {}", found.name,
-            shape_string(src.shape().data(), src.rank()), shape_string(dst));
-  std::memcpy(dst.data, src.data<float>(), src.nbytes());
+  MHA_CHECK(t.shape() == want, "weights: '{}' has shape {}, expected {}", found.name,
+            shape_string(t.shape().data(), t.rank()), shape_string(want.data(), static_cast<int>(want.size())));
+  if (t.dtype() != dtype) report->converted.push_back(found.name);
+  Tensor src = t.converted(dtype);
+  if (storage != dtype) src = src.converted(storage);
+  std::memcpy(dst, src.raw(), src.nbytes());
   report->used.push_back(found.name);
 }
 
@@ -170,6 +203,7 @@ std::vector<int64_t> shape_of(const io::FoundTensor& f) { return f.tensor->shape
 LoadReport MultiHeadAttention::load_state_dict(const StateDict& sd, const std::string& prefix) {
   const io::FoundWeights f = io::find_weights(sd, prefix);
   const Dims d = dims();
+  const DType t = config_.dtype;
   LoadReport report;
   report.layout = f.layout;
   report.ignored = f.ignored;
@@ -191,18 +225,19 @@ LoadReport MultiHeadAttention::load_state_dict(const StateDict& sd, const std::s
   if (f.in_proj_weight.tensor) {
     MHA_CHECK(packed(), "weights: '{}' is packed but the module's kdim/vdim differ from embed_dim",
               f.in_proj_weight.name);
-    copy_checked(f.in_proj_weight, View<float>(in_weight_.data<float>(), {d.rows[0] + d.rows[1] + d.rows[2], d.cols[0]}),
-                 &report);
+    copy_checked(f.in_proj_weight, in_weight_.raw(), t, t, {d.rows[0] + d.rows[1] + d.rows[2], d.cols[0]}, &report);
   } else {
-    for (int p = 0; p < 3; ++p) copy_checked(f.weight[p], weight(static_cast<Proj>(p)), &report);
+    for (int p = 0; p < 3; ++p) {
+      copy_checked(f.weight[p], weight_data(static_cast<Proj>(p)), t, t, {d.rows[p], d.cols[p]}, &report);
+    }
   }
-  if (f.in_proj_bias.tensor) copy_checked(f.in_proj_bias, in_bias_.view<float>(), &report);
+  if (f.in_proj_bias.tensor) copy_checked(f.in_proj_bias, in_bias_.raw(), DType::kF32, t, in_bias_.shape(), &report);
   for (int p = 0; p < 3; ++p) {
-    if (f.bias[p].tensor) copy_checked(f.bias[p], bias(static_cast<Proj>(p)), &report);
+    if (f.bias[p].tensor) copy_checked(f.bias[p], bias(static_cast<Proj>(p)).data, DType::kF32, t, {d.rows[p]}, &report);
   }
   if (config_.out_proj) {
-    copy_checked(f.weight[3], weight(kOut), &report);
-    if (f.bias[3].tensor) copy_checked(f.bias[3], bias(kOut), &report);
+    copy_checked(f.weight[3], weight_data(kOut), t, t, {d.rows[3], d.cols[3]}, &report);
+    if (f.bias[3].tensor) copy_checked(f.bias[3], bias(kOut).data, DType::kF32, t, {d.rows[3]}, &report);
   }
   return report;
 }
@@ -271,7 +306,13 @@ StateDict MultiHeadAttention::state_dict() const {
   StateDict sd;
   const auto& c = config_;
   const Dims d = dims();
-  auto copy_of = [](View<const float> v) { return to_tensor(v); };
+  // Weights in the module's dtype; biases (float32 storage) rounded to it, which is exact.
+  auto copy_of = [&](Proj p) {
+    Tensor w(c.dtype, {d.rows[p], d.cols[p]});
+    std::memcpy(w.raw(), weight_data(p), w.nbytes());
+    return w;
+  };
+  auto bias_of = [&](Proj p) { return to_tensor(bias(p)).converted(c.dtype); };
   const bool all_bias = has_bias_[0] && has_bias_[1] && has_bias_[2];
   const bool none_bias = !has_bias_[0] && !has_bias_[1] && !has_bias_[2];
   const bool torch_mha = c.out_proj && c.out_dim == c.embed_dim && c.qk_proj_dim == c.embed_dim &&
@@ -279,23 +320,22 @@ StateDict MultiHeadAttention::state_dict() const {
                          has_bias_[3] == all_bias;
   if (torch_mha) {
     if (packed()) {
-      sd.emplace("in_proj_weight", to_tensor(View<const float>(in_weight_.data<float>(),
-                                                                {d.rows[0] + d.rows[1] + d.rows[2], d.cols[0]})));
+      sd.emplace("in_proj_weight", in_weight_.reshaped({d.rows[0] + d.rows[1] + d.rows[2], d.cols[0]}));
     } else {
-      sd.emplace("q_proj_weight", copy_of(weight(kQ)));
-      sd.emplace("k_proj_weight", copy_of(weight(kK)));
-      sd.emplace("v_proj_weight", copy_of(weight(kV)));
+      sd.emplace("q_proj_weight", copy_of(kQ));
+      sd.emplace("k_proj_weight", copy_of(kK));
+      sd.emplace("v_proj_weight", copy_of(kV));
     }
-    if (all_bias) sd.emplace("in_proj_bias", in_bias_.clone());
-    sd.emplace("out_proj.weight", copy_of(weight(kOut)));
-    if (has_bias_[3]) sd.emplace("out_proj.bias", copy_of(bias(kOut)));
+    if (all_bias) sd.emplace("in_proj_bias", in_bias_.converted(c.dtype));
+    sd.emplace("out_proj.weight", copy_of(kOut));
+    if (has_bias_[3]) sd.emplace("out_proj.bias", bias_of(kOut));
     return sd;
   }
   const char* names[4] = {"q_proj", "k_proj", "v_proj", "out_proj"};
   for (int p = 0; p < 4; ++p) {
     if (p == kOut && !c.out_proj) continue;
-    sd.emplace(std::string(names[p]) + ".weight", copy_of(weight(static_cast<Proj>(p))));
-    if (has_bias_[p]) sd.emplace(std::string(names[p]) + ".bias", copy_of(bias(static_cast<Proj>(p))));
+    sd.emplace(std::string(names[p]) + ".weight", copy_of(static_cast<Proj>(p)));
+    if (has_bias_[p]) sd.emplace(std::string(names[p]) + ".bias", bias_of(static_cast<Proj>(p)));
   }
   return sd;
 }
@@ -344,19 +384,56 @@ Tensor combined_keep_mask(const View<const uint8_t>& m, const View<const uint8_t
 
 }  // namespace
 
-void MultiHeadAttention::project(Proj p, const float* x, int64_t rows, float* y, int64_t ldy,
-                                 const MhaCallOptions& options) const {
-  const View<const float> w = weight(p);
-  const ops::RowMatrix xm{x, rows, w.shape[1], w.shape[1]};
-  const ops::RowMatrix wm{w.data, w.shape[0], w.shape[1], w.shape[1]};
-  const float* b = has_bias_[p] ? bias(p).data : nullptr;
-  (options.backend == Backend::kReference ? ops::linear_ref : ops::linear)(xm, wm, b, y, ldy, options.num_threads);
+void MultiHeadAttention::linear_rows(const void* w, int64_t w_rows, int64_t w_cols, const float* b, const void* x,
+                                     int64_t rows, float* y, int64_t ldy, const MhaCallOptions& options) const {
+  const bool ref = options.backend == Backend::kReference;
+  const auto f32_linear = ref ? ops::linear_ref : ops::linear;
+  switch (config_.dtype) {
+    case DType::kF32:
+      f32_linear({static_cast<const float*>(x), rows, w_cols, w_cols},
+                 {static_cast<const float*>(w), w_rows, w_cols, w_cols}, b, y, ldy, options.num_threads);
+      return;
+    case DType::kBF16:
+      if (!ref) {
+        ops::linear_bf16({static_cast<const bfloat16*>(x), rows, w_cols, w_cols},
+                         {static_cast<const bfloat16*>(w), w_rows, w_cols, w_cols}, b, y, ldy, options.num_threads);
+        return;
+      }
+      break;
+    default:
+      break;
+  }
+  // Widened to float32: float16 weights on every path (x is float32 rows already), bfloat16
+  // weights and rows on the reference path.
+  Tensor w32(DType::kF32, {w_rows, w_cols});
+  for (int64_t i = 0; i < w_rows * w_cols; ++i) {
+    const uint16_t bits = static_cast<const uint16_t*>(w)[i];
+    w32.data<float>()[i] = config_.dtype == DType::kBF16 ? bf16_to_float(bits) : half_to_float(bits);
+  }
+  Tensor x32;
+  const float* xf = static_cast<const float*>(x);
+  if (config_.dtype == DType::kBF16) {
+    x32 = Tensor(DType::kF32, {rows, w_cols});
+    for (int64_t i = 0; i < rows * w_cols; ++i) x32.data<float>()[i] = bf16_to_float(static_cast<const uint16_t*>(x)[i]);
+    xf = x32.data<float>();
+  }
+  f32_linear({xf, rows, w_cols, w_cols}, {w32.data<float>(), w_rows, w_cols, w_cols}, b, y, ldy, options.num_threads);
 }
 
-void MultiHeadAttention::project_qkv(const float* x, int64_t rows, float* qkv, const MhaCallOptions& options) const {
+void MultiHeadAttention::project(Proj p, const void* x, int64_t rows, float* y, int64_t ldy,
+                                 const MhaCallOptions& options) const {
+  const Dims d = dims();
+  linear_rows(weight_data(p), d.rows[p], d.cols[p], has_bias_[p] ? bias(p).data : nullptr, x, rows, y, ldy, options);
+}
+
+void MultiHeadAttention::project_qkv(const void* x, int64_t rows, float* qkv, const MhaCallOptions& options) const {
   const int64_t E = config_.embed_dim, W = in_bias_.numel();
-  (options.backend == Backend::kReference ? ops::linear_ref : ops::linear)(
-      {x, rows, E, E}, {in_weight_.data<float>(), W, E, E}, in_bias_.data<float>(), qkv, W, options.num_threads);
+  linear_rows(in_weight_.raw(), W, E, in_bias_.data<float>(), x, rows, qkv, W, options);
+}
+
+void MultiHeadAttention::check_dtype(DType input, const char* where) const {
+  MHA_CHECK(input == config_.dtype, "MultiHeadAttention::{}: the module's dtype is {}; the inputs are {} (convert them, "
+            "or build the module with that dtype)", where, dtype_name(config_.dtype), dtype_name(input));
 }
 
 std::vector<int64_t> MultiHeadAttention::output_shape(int64_t B, int64_t T) const {
@@ -369,6 +446,21 @@ MhaTape::MhaTape(MhaTape&&) noexcept = default;
 MhaTape& MhaTape::operator=(MhaTape&&) noexcept = default;
 
 MhaOutputs MultiHeadAttention::forward(const MhaInputs& in, const MhaCallOptions& options, MhaTape* tape) const {
+  return forward_impl(in, options, tape);
+}
+MhaOutputs MultiHeadAttention::forward(const BasicMhaInputs<bfloat16>& in, const MhaCallOptions& options) const {
+  return forward_impl(in, options, nullptr);
+}
+MhaOutputs MultiHeadAttention::forward(const BasicMhaInputs<float16>& in, const MhaCallOptions& options) const {
+  return forward_impl(in, options, nullptr);
+}
+
+// T: the inputs' element type, which must be the module's dtype. Inside, everything after the
+// projections is float32; outputs are rounded once to T.
+template <typename T>
+MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const MhaCallOptions& options,
+                                            MhaTape* tape) const {
+  check_dtype(DTypeOf<T>::value, "forward");
   const auto& c = config_;
   const Dims d = dims();
   const auto& q = in.query;
@@ -379,12 +471,12 @@ MhaOutputs MultiHeadAttention::forward(const MhaInputs& in, const MhaCallOptions
             shape_string(in.key), shape_string(in.value));
   const bool batch_first = c.batch_first;
   const int64_t B = q.shape[batch_first ? 0 : 1], Tq = q.shape[batch_first ? 1 : 0];
-  auto same_view = [](const View<const float>& a, const View<const float>& b) {
+  auto same_view = [](const View<const T>& a, const View<const T>& b) {
     return a.data == b.data && a.rank == b.rank && a.shape == b.shape && a.stride == b.stride;
   };
   const bool self = !in.key.given() || (same_view(in.key, q) && same_view(in.value, q));
-  const View<const float>& key = in.key.given() ? in.key : q;
-  const View<const float>& value = in.value.given() ? in.value : q;
+  const View<const T>& key = in.key.given() ? in.key : q;
+  const View<const T>& value = in.value.given() ? in.value : q;
   int64_t Tk = Tq;
   if (!self) {
     MHA_CHECK(key.rank == 3 && key.shape[2] == c.kdim, "MultiHeadAttention: key must be {} with kdim = {}; got {}",
@@ -415,13 +507,13 @@ MhaOutputs MultiHeadAttention::forward(const MhaInputs& in, const MhaCallOptions
 
   // Projections. Self-attention with packed weights: one GEMM into rows of [q | k | v].
   Tensor qkv, kbuf, vbuf;
-  modules::Rows xq = modules::contiguous_rows(q), xk, xv;
+  modules::InputRows xq = modules::input_rows(q), xk, xv;
   if (self && packed()) {
     qkv = Tensor(DType::kF32, {Nq, d.rows[0] + d.rows[1] + d.rows[2]});
     project_qkv(xq.data, Nq, qkv.data<float>(), options);
   } else {
-    xk = modules::contiguous_rows(key);
-    xv = modules::contiguous_rows(value);
+    xk = modules::input_rows(key);
+    xv = modules::input_rows(value);
     qkv = Tensor(DType::kF32, {Nq, d.rows[0]});
     kbuf = Tensor(DType::kF32, {Nk, d.rows[1]});
     vbuf = Tensor(DType::kF32, {Nk, d.rows[2]});
@@ -471,6 +563,8 @@ MhaOutputs MultiHeadAttention::forward(const MhaInputs& in, const MhaCallOptions
   }
   std::unique_ptr<MhaTape::State> saved;
   if (tape) {
+    MHA_CHECK(c.dtype == DType::kF32, "MultiHeadAttention::forward: recording a tape (training) needs a float32 "
+              "module; this one is {}", dtype_name(c.dtype));
     saved = std::make_unique<MhaTape::State>();
     saved->lse = Tensor(DType::kF32, {B, Hq, Tq});
     ao.lse = saved->lse.view<float>();
@@ -481,12 +575,19 @@ MhaOutputs MultiHeadAttention::forward(const MhaInputs& in, const MhaCallOptions
   const uint64_t out_seed = modules::derive_seed(call_seed, 2);
   if (c.out_proj) {
     result.output = Tensor(DType::kF32, out_shape);
-    project(kOut, merged.data<float>(), Nq, result.output.data<float>(), output_dim(), options);
+    // A bfloat16 module's output projection reads bfloat16 rows: the attention output rounded once.
+    const Tensor merged16 = c.dtype == DType::kBF16 ? merged.converted(DType::kBF16) : Tensor();
+    project(kOut, merged16.defined() ? merged16.raw() : merged.raw(), Nq, result.output.data<float>(), output_dim(),
+            options);
   } else {
     result.output = tape && drop_out ? merged.clone() : std::move(merged);
   }
   if (drop_out) modules::apply_output_dropout(c.out_dropout, out_seed, result.output.data<float>(), Nq, output_dim());
-  if (tape) {
+  if constexpr (!std::is_same_v<T, float>) {
+    result.output = result.output.converted(c.dtype);
+    if (result.weights.defined()) result.weights = result.weights.converted(c.dtype);
+    return result;
+  } else if (tape) {
     MhaTape::State& t = *saved;
     t.module = this;
     t.B = B, t.Tq = Tq, t.Tk = Tk;
@@ -494,7 +595,7 @@ MhaOutputs MultiHeadAttention::forward(const MhaInputs& in, const MhaCallOptions
     t.query_shape.assign(q.shape.begin(), q.shape.begin() + 3);
     t.output_shape = out_shape;
     // The input rows: the contiguous copy made for the projection if there is one.
-    auto keep_rows = [](modules::Rows& rows, const View<const float>& v) {
+    auto keep_rows = [](modules::InputRows& rows, const View<const float>& v) {
       return rows.holder.defined() ? std::move(rows.holder) : to_tensor(v);
     };
     t.xq = keep_rows(xq, q);
@@ -516,5 +617,12 @@ MhaOutputs MultiHeadAttention::forward(const MhaInputs& in, const MhaCallOptions
   }
   return result;
 }
+
+template MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<float>&, const MhaCallOptions&,
+                                                     MhaTape*) const;
+template MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<bfloat16>&, const MhaCallOptions&,
+                                                     MhaTape*) const;
+template MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<float16>&, const MhaCallOptions&,
+                                                     MhaTape*) const;
 
 }  // namespace mha

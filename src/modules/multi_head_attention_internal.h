@@ -69,6 +69,28 @@ inline Rows contiguous_rows(const View<const float>& v) {
   return r;
 }
 
+// Rows of a (B, T, E) or (T, B, E) input in what the module's projections read: float32 rows
+// for float32 and float16 modules (float16 widened), bfloat16 rows for bfloat16 modules.
+struct InputRows {
+  const void* data = nullptr;
+  Tensor holder;  // the copy, when one was needed
+};
+inline InputRows input_rows(const View<const float>& v) {
+  Rows r = contiguous_rows(v);
+  return {r.data, std::move(r.holder)};
+}
+inline InputRows input_rows(const View<const bfloat16>& v) {
+  if (v.is_contiguous()) return {v.data, Tensor()};
+  InputRows r{nullptr, to_tensor(v)};
+  r.data = r.holder.raw();
+  return r;
+}
+inline InputRows input_rows(const View<const float16>& v) {
+  InputRows r{nullptr, to_tensor(v).to_f32()};
+  r.data = r.holder.raw();
+  return r;
+}
+
 inline uint64_t derive_seed(uint64_t seed, uint64_t stream) { return splitmix64(seed ^ splitmix64(stream)); }
 
 // Output dropout on `rows` rows of `width` floats, in place: the decision for element (n, o) is

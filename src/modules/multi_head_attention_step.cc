@@ -21,6 +21,23 @@ KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity) const {
 
 MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens,
                                     const MhaCallOptions& options) const {
+  return step_impl(x, cache, new_tokens, options);
+}
+MhaOutputs MultiHeadAttention::step(const View<const bfloat16>& x, KvCache& cache,
+                                    const std::vector<int64_t>& new_tokens, const MhaCallOptions& options) const {
+  return step_impl(x, cache, new_tokens, options);
+}
+MhaOutputs MultiHeadAttention::step(const View<const float16>& x, KvCache& cache, const std::vector<int64_t>& new_tokens,
+                                    const MhaCallOptions& options) const {
+  return step_impl(x, cache, new_tokens, options);
+}
+
+// T: x's element type, the module's dtype. Projections, the cache and attention are float32;
+// the output is rounded once to T.
+template <typename T>
+MhaOutputs MultiHeadAttention::step_impl(const View<const T>& x, KvCache& cache, const std::vector<int64_t>& new_tokens,
+                                         const MhaCallOptions& options) const {
+  check_dtype(DTypeOf<T>::value, "step");
   const auto& c = config_;
   const Dims d = dims();
   const bool batch_first = c.batch_first;
@@ -52,7 +69,7 @@ MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, 
   // One GEMM for the new positions' q, k and v.
   const int64_t N = checked_mul(B, n, "MultiHeadAttention::step: rows B·n");
   const int64_t Hkv = c.num_kv_heads, dqk = head_dim_qk(), dv = head_dim_v();
-  const modules::Rows xr = modules::contiguous_rows(x);
+  const modules::InputRows xr = modules::input_rows(x);
   Tensor qkv(DType::kF32, {N, d.rows[0] + d.rows[1] + d.rows[2]});
   project_qkv(xr.data, N, qkv.data<float>(), options);
   const modules::Layout l{B, n, batch_first};
@@ -93,8 +110,8 @@ MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, 
     // A windowed chunk: its first query needs up to window-1 positions before the chunk, which
     // the chunk's own append could overwrite in the ring. Gather them, in position order,
     // followed by the chunk's keys; attend; then append.
-    const int64_t before = c.window - 1, T = before + n;
-    Tensor kt(DType::kF32, {B, Hkv, T, dqk}), vt(DType::kF32, {B, Hkv, T, dv});
+    const int64_t before = c.window - 1, span = before + n;
+    Tensor kt(DType::kF32, {B, Hkv, span, dqk}), vt(DType::kF32, {B, Hkv, span, dv});
     const View<const float> ck = cache.keys(), cv = cache.values();
     for (int64_t b = 0; b < B; ++b) {
       const int64_t L0 = cache.length(b), kept = std::min(L0, before);
@@ -128,7 +145,9 @@ MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, 
   MhaOutputs result;
   if (c.out_proj) {
     result.output = Tensor(DType::kF32, out_shape);
-    project(kOut, merged.data<float>(), N, result.output.data<float>(), out_width, options);
+    const Tensor merged16 = c.dtype == DType::kBF16 ? merged.converted(DType::kBF16) : Tensor();
+    project(kOut, merged16.defined() ? merged16.raw() : merged.raw(), N, result.output.data<float>(), out_width,
+            options);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = counts[b]; t < n; ++t) {
         float* row = result.output.data<float>() + (b * l.batch_rows() + t * l.time_rows()) * out_width;
@@ -137,7 +156,15 @@ MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, 
   } else {
     result.output = std::move(merged);
   }
+  if (c.dtype != DType::kF32) result.output = result.output.converted(c.dtype);
   return result;
 }
+
+template MhaOutputs MultiHeadAttention::step_impl(const View<const float>&, KvCache&, const std::vector<int64_t>&,
+                                                  const MhaCallOptions&) const;
+template MhaOutputs MultiHeadAttention::step_impl(const View<const bfloat16>&, KvCache&, const std::vector<int64_t>&,
+                                                  const MhaCallOptions&) const;
+template MhaOutputs MultiHeadAttention::step_impl(const View<const float16>&, KvCache&, const std::vector<int64_t>&,
+                                                  const MhaCallOptions&) const;
 
 }  // namespace mha

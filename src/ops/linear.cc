@@ -4,6 +4,7 @@
 
 #include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
+#include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
 
@@ -98,6 +99,44 @@ void linear_backward(RowMatrix x, RowMatrix w, const float* dy, int64_t lddy, fl
   }
   // dx (N × in) = dy (N × out) · w (out × in)
   if (dx) gemm(false, false, N, in, out, dy, lddy, w.data, w.row_stride, 0.0f, dx, lddx, num_threads);
+}
+
+void linear_bf16(Bf16RowMatrix x, Bf16RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads) {
+  MHA_CHECK(x.cols == w.cols, "linear: input has {} columns but the weight expects {} (weight ({}, {}))", x.cols,
+            w.cols, w.rows, w.cols);
+  const int64_t M = x.rows, N = w.rows, K = x.cols;
+  if (M == 0 || N == 0) return;
+  using dt = dnnl::memory::data_type;
+  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  const int64_t tiles_m = (M + kTileRows - 1) / kTileRows;
+  const int64_t tiles_n = (N + kTileCols - 1) / kTileCols;
+  parallel_for(tiles_m * tiles_n, num_threads, [&](int64_t t) {
+    const int64_t m0 = (t / tiles_n) * kTileRows, n0 = (t % tiles_n) * kTileCols;
+    const int64_t m = std::min(kTileRows, M - m0), n = std::min(kTileCols, N - n0);
+    float* c = y + m0 * ldy + n0;
+    if (K > 0) {
+      SingleThreadedBlas single;  // before the primitive is made: oneDNN sizes its blocking by the threads
+      try {
+        // y tile (m × n) = x rows (m × K) · wᵀ, the weight read as a (K × n) matrix with strides (1, ldw).
+        const dnnl::memory::desc src({m, K}, dt::bf16, dnnl::memory::dims{x.row_stride, 1});
+        const dnnl::memory::desc wei({K, n}, dt::bf16, dnnl::memory::dims{1, w.row_stride});
+        const dnnl::memory::desc dst({m, n}, dt::f32, dnnl::memory::dims{ldy, 1});
+        const dnnl::matmul prim(dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), engine));
+        dnnl::stream stream(engine);
+        prim.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(src, engine, const_cast<bfloat16*>(x.data + m0 * x.row_stride))},
+                              {DNNL_ARG_WEIGHTS, dnnl::memory(wei, engine, const_cast<bfloat16*>(w.data + n0 * w.row_stride))},
+                              {DNNL_ARG_DST, dnnl::memory(dst, engine, c)}});
+        stream.wait();
+      } catch (const dnnl::error& e) {
+        throw Error(fmt::format("linear: oneDNN's bf16 matmul failed for a ({} x {}) · ({} x {}) product: {}", m, K, K,
+                                n, e.what()));
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      float* row = c + r * ldy;
+      for (int64_t o = 0; o < n; ++o) row[o] = (K > 0 ? row[o] : 0.0f) + (bias ? bias[n0 + o] : 0.0f);
+    }
+  });
 }
 
 void linear_ref(RowMatrix x, RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads) {

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "mha/half.h"
+
 namespace mha::ops {
 
 struct RowMatrix {
@@ -32,6 +34,15 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const flo
 // dx = dy · w (N, in) if dx is not null.
 void linear_backward(RowMatrix x, RowMatrix w, const float* dy, int64_t lddy, float* dx, int64_t lddx, float* grad_w,
                      int64_t ldgw, float* grad_b, int num_threads);
+
+// bfloat16 rows: x (N, in) and w (out, in), products accumulated in float32 into y (float32),
+// plus bias. On oneDNN's bf16 matmul (vdpbf16ps where the CPU has AVX512-BF16), tiled as
+// linear(): the same bits for any thread count.
+struct Bf16RowMatrix {
+  const bfloat16* data;
+  int64_t rows, cols, row_stride;
+};
+void linear_bf16(Bf16RowMatrix x, Bf16RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads);
 
 }  // namespace mha::ops
 

@@ -131,3 +131,56 @@ def test_fully_masked_rows_are_zero(dt):
     assert out.dtype == dt
     assert torch.all(out[:, :, 1] == 0)
     assert torch.isfinite(out).all()
+
+
+def torch_module_pair(dt, seed, **kwargs):
+    torch.manual_seed(seed)
+    t16 = torch.nn.MultiheadAttention(48, 6, batch_first=True, **kwargs).to(dt).eval()
+    t64 = torch.nn.MultiheadAttention(48, 6, batch_first=True, **kwargs).double().eval()
+    t64.load_state_dict({k: v.double() for k, v in t16.state_dict().items()})
+    return t16, t64
+
+
+@pytest.mark.parametrize("dt", list(UNIT))
+@pytest.mark.parametrize("padding", [False, True])
+def test_module_from_torch_in_its_dtype(dt, padding):
+    t16, t64 = torch_module_pair(dt, 11)
+    m = mha.MultiheadAttention.from_torch(t16)
+    assert m.dtype == NAME[dt]
+    g = torch.Generator().manual_seed(12)
+    q, kv = torch.randn(3, 17, 48, generator=g).to(dt), torch.randn(3, 23, 48, generator=g).to(dt)
+    kpm = None
+    if padding:
+        kpm = torch.zeros(3, 23, dtype=torch.bool)
+        kpm[0, 20:] = True
+        kpm[2, 5:] = True
+    y, w = m(q, kv, kv, key_padding_mask=kpm)
+    assert y.dtype == dt and w.dtype == dt
+    with torch.no_grad():
+        y64, w64 = t64(q.double(), kv.double(), kv.double(), key_padding_mask=kpm)
+        y16, w16 = t16(q, kv, kv, key_padding_mask=kpm)
+    within(y, y64, y16, dt, "module out")
+    within(w, w64, w16, dt, "module weights")
+
+
+@pytest.mark.parametrize("dt", list(UNIT))
+def test_module_step_matches_forward(dt):
+    m = mha.MultiheadAttention(48, 6, batch_first=True, dtype=dt, num_kv_heads=2).eval()
+    x = torch.randn(2, 12, 48).to(dt)
+    full, _ = m(x, is_causal=True, need_weights=False)
+    cache = m.make_cache(2)
+    parts = [m.step(x[:, :7], cache)] + [m.step(x[:, t:t + 1], cache) for t in range(7, 12)]
+    steps = torch.cat(parts, dim=1)
+    assert steps.dtype == dt
+    assert rel_error(steps.double().numpy(), full.double().numpy()) <= 2 * UNIT[dt]
+
+
+def test_module_dtype_errors():
+    m = mha.MultiheadAttention(16, 2, batch_first=True, dtype=torch.bfloat16)
+    with pytest.raises(mha.Error, match="module's dtype is bfloat16"):
+        m(torch.randn(1, 3, 16))
+    with pytest.raises(mha.Error, match="float32 or float16"):  # numpy has no bfloat16
+        a = np.zeros((1, 3, 16), dtype=np.float64)
+        m(a)
+    with pytest.raises(mha.Error, match="dtype must be"):
+        mha.MultiheadAttention(16, 2, dtype=torch.float64)
