@@ -80,6 +80,8 @@ std::vector<ModuleCase> standard_module_cases();
 std::vector<DecodeCase> decode_cases();  // GQA and MHA caches of 1 MiB .. 256 MiB
 
 double time_mha_attention(const AttentionCase& c, int threads, double seconds);
+// `mha bench --dtypes`: float32, bfloat16 and float16 side by side (bench/dtypes.cc).
+void run_dtypes(const Options& o);
 double time_mha_module(const ModuleCase& c, int threads, double seconds);
 double time_mha_decode(const DecodeCase& c, int threads, double seconds);
 double time_mha_attention_backward(const AttentionCase& c, int threads, double seconds);

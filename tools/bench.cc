@@ -20,6 +20,10 @@ int run_bench(const BenchArgs& args) {
     std::printf("bf16 dot-product peak: %.1f GFLOP/s on %d threads (0: no AVX512-BF16)\n", bf16, o.threads);
     return 0;
   }
+  if (args.dtypes) {
+    bench::run_dtypes(o);
+    return 0;
+  }
   if (args.decode) {
     bench::run_decode(o, nullptr);
     return 0;

@@ -27,6 +27,7 @@ struct BenchArgs {
   bool decode = false;
   bool train = false;
   bool peak = false;
+  bool dtypes = false;
   std::string csv, json;
 };
 

@@ -76,6 +76,7 @@ int main(int argc, char** argv) {
   bench->add_flag("--memory", ba.memory, "Only measure the peak memory of (1, 8, 32768, 64) attention");
   bench->add_flag("--decode", ba.decode, "Only the decoding table (KV caches against memory bandwidth)");
   bench->add_flag("--train", ba.train, "Only the training table (attention backward, forward + backward, module steps)");
+  bench->add_flag("--dtypes", ba.dtypes, "Only the dtype table: float32, bfloat16 and float16 side by side");
   bench->add_flag("--peak", ba.peak, "Only measure this machine's fp32 FMA peak (bench/peers.sh reads it)");
   bench->add_option("--csv", ba.csv, "Write the table as CSV");
   bench->add_option("--json", ba.json, "Write the table as JSON");

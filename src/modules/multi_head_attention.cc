@@ -10,6 +10,7 @@
 #include "modules/multi_head_attention_internal.h"
 #include "ops/linear.h"
 #include "util/check.h"
+#include "util/convert.h"
 #include "util/fp16.h"
 #include "util/random.h"
 
@@ -406,15 +407,12 @@ void MultiHeadAttention::linear_rows(const void* w, int64_t w_rows, int64_t w_co
   // Widened to float32: float16 weights on every path (x is float32 rows already), bfloat16
   // weights and rows on the reference path.
   Tensor w32(DType::kF32, {w_rows, w_cols});
-  for (int64_t i = 0; i < w_rows * w_cols; ++i) {
-    const uint16_t bits = static_cast<const uint16_t*>(w)[i];
-    w32.data<float>()[i] = config_.dtype == DType::kBF16 ? bf16_to_float(bits) : half_to_float(bits);
-  }
+  widen_to_f32(w, config_.dtype, w32.data<float>(), w_rows * w_cols);
   Tensor x32;
   const float* xf = static_cast<const float*>(x);
   if (config_.dtype == DType::kBF16) {
     x32 = Tensor(DType::kF32, {rows, w_cols});
-    for (int64_t i = 0; i < rows * w_cols; ++i) x32.data<float>()[i] = bf16_to_float(static_cast<const uint16_t*>(x)[i]);
+    widen_to_f32(x, DType::kBF16, x32.data<float>(), rows * w_cols);
     xf = x32.data<float>();
   }
   f32_linear({xf, rows, w_cols, w_cols}, {w32.data<float>(), w_rows, w_cols, w_cols}, b, y, ldy, options.num_threads);

@@ -10,6 +10,7 @@
 
 #include "kernels/dropout.h"
 #include "mha/multi_head_attention.h"
+#include "util/convert.h"
 #include "util/random.h"
 
 namespace mha {
@@ -86,7 +87,13 @@ inline InputRows input_rows(const View<const bfloat16>& v) {
   return r;
 }
 inline InputRows input_rows(const View<const float16>& v) {
-  InputRows r{nullptr, to_tensor(v).to_f32()};
+  InputRows r;
+  if (v.is_contiguous()) {
+    r.holder = Tensor(DType::kF32, std::vector<int64_t>(v.shape.begin(), v.shape.begin() + v.rank));
+    widen_to_f32(v.data, DType::kF16, r.holder.data<float>(), v.numel());
+  } else {
+    r.holder = to_tensor(v).to_f32();
+  }
   r.data = r.holder.raw();
   return r;
 }

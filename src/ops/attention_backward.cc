@@ -6,6 +6,7 @@
 #include "mha/attention.h"
 #include "ops/attention_checks.h"
 #include "util/check.h"
+#include "util/convert.h"
 #include "util/parallel.h"
 
 namespace mha {
@@ -75,7 +76,11 @@ Tensor widen(const View<const T>& v, int num_threads) {
   parallel_for(rows, num_threads, [&](int64_t r) {
     const int64_t a = r / (v.shape[1] * v.shape[2]), b = r / v.shape[2] % v.shape[1], c = r % v.shape[2];
     const T* row = v.data + a * v.stride[0] + b * v.stride[1] + c * v.stride[2];
-    for (int64_t j = 0; j < cols; ++j) dst[r * cols + j] = to_float(row[j * v.stride[3]]);
+    if (v.stride[3] == 1) {
+      widen_to_f32(row, DTypeOf<T>::value, dst + r * cols, cols);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) dst[r * cols + j] = to_float(row[j * v.stride[3]]);
+    }
   });
   return t;
 }
@@ -88,8 +93,12 @@ void narrow(const Tensor& src, const View<T>& dst, int num_threads) {
   parallel_for(rows, num_threads, [&](int64_t r) {
     const int64_t a = r / (dst.shape[1] * dst.shape[2]), b = r / dst.shape[2] % dst.shape[1], c = r % dst.shape[2];
     T* row = dst.data + a * dst.stride[0] + b * dst.stride[1] + c * dst.stride[2];
-    for (int64_t j = 0; j < cols; ++j)
-      kernels::store_element(row, j * dst.stride[3], s[r * cols + j], DTypeOf<T>::value);
+    if (dst.stride[3] == 1) {
+      narrow_from_f32(s + r * cols, DTypeOf<T>::value, row, cols);
+    } else {
+      for (int64_t j = 0; j < cols; ++j)
+        kernels::store_element(row, j * dst.stride[3], s[r * cols + j], DTypeOf<T>::value);
+    }
   });
 }
 

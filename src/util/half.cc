@@ -1,5 +1,5 @@
 // Scalar conversions between float32 and the 16-bit types (include/mha/half.h). The kernels
-// convert whole vectors in registers (kernels/cpu/convert-inl.h); these serve the reference
+// convert whole vectors in registers (util/convert-inl.h, util/convert.h); these serve the reference
 // kernels, tests and I/O and define the rounding the vector code must match.
 #include "mha/half.h"
 

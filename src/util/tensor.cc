@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "util/convert.h"
 #include "util/fp16.h"
 
 namespace mha {
@@ -132,6 +133,14 @@ Tensor Tensor::converted(DType dtype) const {
   if (dtype == dtype_) return clone();
   Tensor t(dtype, shape_);
   const int64_t n = numel();
+  if (dtype_ == DType::kF32 && (dtype == DType::kBF16 || dtype == DType::kF16)) {
+    narrow_from_f32(static_cast<const float*>(raw()), dtype, t.raw(), n);
+    return t;
+  }
+  if (dtype == DType::kF32 && (dtype_ == DType::kBF16 || dtype_ == DType::kF16)) {
+    widen_to_f32(raw(), dtype_, static_cast<float*>(t.raw()), n);
+    return t;
+  }
   // float64 → 16 bits goes through float32 (double rounding differs from torch's direct rounding
   // in at most one ulp of the 16-bit result, only for values within 2⁻²⁹ relative of a tie).
   for (int64_t i = 0; i < n; ++i) {

@@ -15,7 +15,7 @@
 
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
-#include "kernels/cpu/convert-inl.h"
+#include "util/convert-inl.h"
 #include "kernels/cpu/flash_plan.h"
 #include "kernels/cpu/tiles-inl.h"
 #include "kernels/cpu/transpose-inl.h"

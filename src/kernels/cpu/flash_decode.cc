@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "hwy/highway.h"
-#include "kernels/cpu/convert-inl.h"
+#include "util/convert-inl.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/transpose-inl.h"

@@ -6,11 +6,11 @@
 // even, matching the scalar to_bfloat16 / to_float16: bf16 by integer rounding on the float's
 // bits (Highway 1.0's DemoteTo truncates), fp16 by vcvtps2ph on x86 and by the scalar routine on
 // the portable target (whose DemoteTo truncates and mishandles infinities).
-#if defined(MHA_KERNELS_CPU_CONVERT_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef MHA_KERNELS_CPU_CONVERT_INL_H_
-#undef MHA_KERNELS_CPU_CONVERT_INL_H_
+#if defined(MHA_UTIL_CONVERT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MHA_UTIL_CONVERT_INL_H_
+#undef MHA_UTIL_CONVERT_INL_H_
 #else
-#define MHA_KERNELS_CPU_CONVERT_INL_H_
+#define MHA_UTIL_CONVERT_INL_H_
 #endif
 
 #include <cstddef>
@@ -107,4 +107,4 @@ HWY_INLINE void RowToFloat(const T* src, int64_t stride, size_t n, float* HWY_RE
 }  // namespace mha::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
-#endif  // MHA_KERNELS_CPU_CONVERT_INL_H_
+#endif  // MHA_UTIL_CONVERT_INL_H_
