@@ -10,9 +10,11 @@ Timing: the median of repeated calls over at least --seconds, after a warm-up; 2
 every library. Run through bench/peers.sh, which installs the peers; the fp32 FMA peak comes from
 `mha bench --peak` (--peak here).
 
-  python bench/peers.py --peak 542 [--seconds 1] [--markdown docs/bench/peers.md]
+  python bench/peers.py --peak 542 [--seconds 1] [--markdown docs/bench/peers.md] [--json peers.json]
+  python bench/plot_peers.py peers.json docs/bench/peers.png
 """
 import argparse
+import json
 import statistics
 import time
 
@@ -111,6 +113,7 @@ def main():
     parser.add_argument("--bf16-peak", type=float, default=None, help="bf16 dot-product peak in GFLOP/s")
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--markdown", default=None, help="also write the table here")
+    parser.add_argument("--json", default=None, help="also write GFLOP/s per shape and column here (plot_peers.py)")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     # (name, the mha column it is compared with, case maker)
@@ -122,8 +125,9 @@ def main():
              ("ORT fp32 MHA", "fp32", onnxruntime_case)]
     mine = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
     header = ["shape (B, H, T, D)"] + [f"mha {n}" for n, _ in mine] + [name for name, _, _ in peers]
-    rows = []
+    rows, results = [], []
     for B, H, T, D, causal in SHAPES:
+        numbers = {}
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
         want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
@@ -134,6 +138,7 @@ def main():
             run, result = mha_case(q, k, v, causal, dtype)
             mha_seconds[label] = median_seconds(run, args.seconds)
             gflops = work / mha_seconds[label] / 1e9
+            numbers[f"mha {label}"] = gflops
             peak = f"{100 * gflops / args.peak:.0f}% fp32 peak"
             if label == "bf16" and args.bf16_peak:
                 peak += f", {100 * gflops / args.bf16_peak:.0f}% bf16 peak"
@@ -145,10 +150,12 @@ def main():
                 continue
             run, result = case
             seconds = median_seconds(run, args.seconds)
+            numbers[name] = work / seconds / 1e9
             cells.append(f"{work / seconds / 1e9:.0f} ({rel_error(result(), want):.0e}; mha {versus} "
                          f"{seconds / mha_seconds[versus]:.2f}×)")
         shape = f"({B}, {H}, {T}, {D}){' causal' if causal else ''}"
         rows.append([shape] + cells)
+        results.append({"shape": shape, "gflops": numbers})
         print(" | ".join([shape] + cells), flush=True)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -161,6 +168,10 @@ def main():
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n" + note)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"peak": args.peak, "bf16_peak": args.bf16_peak, "threads": THREADS, "torch": torch.__version__,
+                       "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

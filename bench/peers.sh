@@ -2,13 +2,14 @@
 # mha against PyTorch 2.x, OpenVINO and ONNX Runtime in one process (bench/peers.py), on this
 # machine's measured fp32 FMA peak. Installs the peers once into build/peer-pkgs (PyPI:
 # openvino, onnxruntime, onnx) next to the cached torch 2.x environment of scripts/py-env.sh.
-#   bench/peers.sh [--seconds S] [--markdown FILE]
+#   bench/peers.sh [--seconds S] [--markdown FILE] [--json FILE] [--plot PNG]
+# --plot draws the --json results (bench/plot_peers.py; matplotlib goes into build/peer-pkgs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$(scripts/py-env.sh)
 pkgs=build/peer-pkgs
 if [ ! -f "$pkgs/.complete" ]; then
-  "$venv/bin/pip" install -q --disable-pip-version-check --target "$pkgs" openvino onnxruntime onnx
+  "$venv/bin/pip" install -q --disable-pip-version-check --target "$pkgs" openvino onnxruntime onnx matplotlib
   touch "$pkgs/.complete"
 fi
 scripts/build.sh >/dev/null
@@ -17,4 +18,19 @@ peaks=$(build/mha bench --peak --threads 2)
 echo "$peaks"
 peak=$(echo "$peaks" | sed -n 's/^fp32 FMA peak: \([0-9.]*\).*/\1/p')
 bf16_peak=$(echo "$peaks" | sed -n 's/^bf16 dot-product peak: \([0-9.]*\).*/\1/p')
-PYTHONPATH="$PWD/$pkgs" "$venv/bin/python" bench/peers.py --peak "$peak" --bf16-peak "$bf16_peak" "$@"
+plot="" json=""
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --plot) plot=$2; shift 2 ;;
+    --json) json=$2; args+=(--json "$2"); shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+if [ -n "$plot" ] && [ -z "$json" ]; then json=build/peers.json; args+=(--json "$json"); fi
+PYTHONPATH="$PWD/$pkgs" "$venv/bin/python" bench/peers.py --peak "$peak" --bf16-peak "$bf16_peak" "${args[@]}"
+if [ -n "$plot" ]; then
+  [ -f "$pkgs/matplotlib/__init__.py" ] || "$venv/bin/pip" install -q --disable-pip-version-check --target "$pkgs" matplotlib
+  PYTHONPATH="$PWD/$pkgs" "$venv/bin/python" bench/plot_peers.py "$json" "$plot"
+  echo "plot: $plot"
+fi
