@@ -1,11 +1,12 @@
 // Hostile inputs, one class of defect per test group (docs/reliability.md lists the classes and
 // their guards): index widths past 2^31, accessor bounds, thread counts, degenerate and
-// overflowing sizes, dropout counters. Each must give a correct result or an mha::Error naming
+// overflowing sizes, dropout counters, 16-bit element types. Each must give a correct result or an mha::Error naming
 // the argument — never a crash, a hang, or a silently wrong answer.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "mha/attention.h"
@@ -18,6 +19,15 @@ namespace mha::test {
 namespace {
 
 constexpr int64_t kPast31 = (int64_t{1} << 31) + 5;  // more keys than an int32 index reaches
+
+template <typename T>
+T to_half(float x) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    return to_bfloat16(x);
+  } else {
+    return to_float16(x);
+  }
+}
 
 // A (1, 1, T, D) view repeating one row (stride 0 over T): huge key counts cost no memory.
 View<const float> repeated(const float* row, int64_t T, int64_t D) {
@@ -246,6 +256,51 @@ TEST(HostileSizes, ModuleAndCacheSizesAreChecked) {
   k.kv_heads = int64_t{1} << 30;
   k.head_dim_qk = k.head_dim_v = 4;
   expect_error([&] { KvCache cache(k); }, {"KvCache", "overflows 64 bits"});
+}
+
+// ---- 16-bit element types -------------------------------------------------------------------
+
+// Keys past 2^31 in bfloat16 and float16, through the block widening (tiled path) and the
+// register widening (decode): a window of 100 at the end of the sequence, every score 0 and
+// every value 1, so each row returns exactly 1 and LSE log(100).
+template <typename T>
+void expect_window_rows_16(int64_t Tq) {
+  const T zero_row[4] = {}, one_row[4] = {to_half<T>(1.0f), to_half<T>(1.0f), to_half<T>(1.0f), to_half<T>(1.0f)};
+  Tensor q(DTypeOf<T>::value, {1, 1, Tq, 4}), out(DTypeOf<T>::value, {1, 1, Tq, 4}), lse(DType::kF32, {1, 1, Tq});
+  const View<const T> k(zero_row, {1, 1, kPast31, 4}, {0, 0, 0, 1}), v(one_row, {1, 1, kPast31, 4}, {0, 0, 0, 1});
+  AttentionOptions opt;
+  opt.causal = Causal::kBottomRight;
+  opt.window = 100;
+  attention(BasicAttentionInputs<T>{q.view<T>(), k, v}, BasicAttentionOutputs<T>{out.view<T>(), lse.view<float>()},
+            opt);
+  const Tensor o = out.to_f32();
+  for (int64_t i = 0; i < Tq; ++i) {
+    for (int d = 0; d < 4; ++d) ASSERT_EQ(o.data<float>()[i * 4 + d], 1.0f) << "row " << i;
+    EXPECT_NEAR(lse.data<float>()[i], std::log(100.0), 1e-6) << "row " << i;
+  }
+}
+
+TEST(HostileSixteenBit, KeysPast2To31) {
+  for (int64_t Tq : {1, 40}) {
+    expect_window_rows_16<bfloat16>(Tq);
+    expect_window_rows_16<float16>(Tq);
+  }
+}
+
+// The overlap and shape checks count 16-bit elements as 2 bytes: an output overlapping an
+// input by one element is refused, one just past it is not.
+TEST(HostileSixteenBit, OverlapIsMeasuredInTheirBytes) {
+  Tensor buf(DType::kBF16, {2 * 4 * 8});
+  bfloat16* p = buf.data<bfloat16>();
+  const View<const bfloat16> q(p, {1, 1, 4, 8});
+  const View<bfloat16> overlapping(p + 31, {1, 1, 4, 8}), after(p + 32, {1, 1, 4, 8});
+  expect_error([&] { attention(BasicAttentionInputs<bfloat16>{q, q, q}, BasicAttentionOutputs<bfloat16>{overlapping}); },
+               {"out", "overlaps", "query"});
+  attention(BasicAttentionInputs<bfloat16>{q, q, q}, BasicAttentionOutputs<bfloat16>{after});
+  // A 16-bit output of the wrong shape names it.
+  const View<bfloat16> wrong(p + 32, {1, 1, 4, 7});
+  expect_error([&] { attention(BasicAttentionInputs<bfloat16>{q, q, q}, BasicAttentionOutputs<bfloat16>{wrong}); },
+               {"out", "(1, 1, 4, 8)", "(1, 1, 4, 7)"});
 }
 
 }  // namespace
