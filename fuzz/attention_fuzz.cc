@@ -4,6 +4,7 @@
 // the same places on both paths; finite outputs obey err(fast) <= 2·err(plain) + 4u or, for
 // ill-conditioned inputs, the a-priori bound (docs/numerics.md).
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -44,6 +45,48 @@ std::vector<int64_t> broadcast_shape(mha::fuzz::Input& in, const std::vector<int
 }
 
 }  // namespace
+
+// The same view over a 16-bit copy of its tensor (same shape and strides).
+template <typename T>
+View<const T> same_layout(const View<const float>& v, const Tensor& t16) {
+  View<const T> w;
+  w.data = t16.data<T>();
+  w.rank = v.rank, w.shape = v.shape, w.stride = v.stride;
+  return w;
+}
+
+// 16-bit inputs: the fast path must give, bit for bit, the float32 fast path's results on the
+// widened inputs, rounded once (docs/numerics.md, "16-bit types").
+template <typename T>
+void check_sixteen_bit(const mha::AttentionInputs& ai, const Tensor& q, const Tensor& k, const Tensor& v,
+                       mha::AttentionOptions opt, int weights, int64_t B, int64_t Hq, int64_t Tq, int64_t Tk,
+                       int64_t Dv) {
+  const mha::DType t = mha::DTypeOf<T>::value;
+  const Tensor q16 = q.converted(t), k16 = k.converted(t), v16 = v.converted(t);
+  const Tensor qw = q16.to_f32(), kw = k16.to_f32(), vw = v16.to_f32();
+  mha::AttentionInputs wide = ai;
+  wide.query = same_layout<float>(ai.query, qw);
+  wide.key = same_layout<float>(ai.key, kw);
+  wide.value = same_layout<float>(ai.value, vw);
+  mha::BasicAttentionInputs<T> half{same_layout<T>(ai.query, q16), same_layout<T>(ai.key, k16),
+                                    same_layout<T>(ai.value, v16), ai.keep_mask, ai.attn_bias, ai.key_lengths};
+  std::vector<int64_t> wshape = weights == 1 ? std::vector<int64_t>{B, Hq, Tq, Tk} : std::vector<int64_t>{B, Tq, Tk};
+  Tensor o32(mha::DType::kF32, {B, Hq, Tq, Dv}), l32(mha::DType::kF32, {B, Hq, Tq}), w32;
+  Tensor o16(t, {B, Hq, Tq, Dv}), l16(mha::DType::kF32, {B, Hq, Tq}), w16;
+  if (weights) w32 = Tensor(mha::DType::kF32, wshape), w16 = Tensor(t, wshape);
+  opt.backend = mha::Backend::kFast;
+  mha::attention(wide, {o32.view<float>(), l32.view<float>(), weights ? w32.view<float>() : View<float>()}, opt);
+  mha::attention(half, mha::BasicAttentionOutputs<T>{o16.view<T>(), l16.view<float>(), weights ? w16.view<T>() : View<T>()},
+                 opt);
+  auto same_bits = [](const Tensor& a, const Tensor& b) {
+    return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+  };
+  if (!same_bits(o16, o32.converted(t)) || !same_bits(l16, l32) || (weights && !same_bits(w16, w32.converted(t)))) {
+    std::fprintf(stderr, "%s: the 16-bit path is not the rounded float32 path (B=%ld Hq=%ld Tq=%ld Tk=%ld Dv=%ld)\n",
+                 mha::dtype_name(t), (long)B, (long)Hq, (long)Tq, (long)Tk, (long)Dv);
+    __builtin_trap();
+  }
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mha::fuzz::Input in(data, size);
@@ -188,5 +231,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   check(fast.out, ref.out, plain.out, derived_out);
   check(fast.lse, ref.lse, plain.lse, 2 * ds + (Tk + 8) * u * (s_max + 1));
   check(fast.weights, ref.weights, plain.weights, derived_prob);
+  if (in.flag()) {
+    if (in.flag()) {
+      check_sixteen_bit<mha::bfloat16>(ai, q, k, v, opt, weights, B, Hq, Tq, Tk, Dv);
+    } else {
+      check_sixteen_bit<mha::float16>(ai, q, k, v, opt, weights, B, Hq, Tq, Tk, Dv);
+    }
+  }
   return 0;
 }
