@@ -107,6 +107,46 @@ def onnxruntime_case(q, k, v, causal):
     return run, lambda: run()[0].reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
 
+BACKWARD_SHAPES = [(1, 8, 2048, 64, True), (4, 12, 512, 64, False), (1, 16, 2048, 128, True)]
+
+
+def backward_flops(B, H, T, D, causal):
+    """dQ, dK, dV: five T×T×D products (S and dP recomputed or read, dV, dQ, dK): 2.5× the forward."""
+    return 2.5 * flops(B, H, T, D, causal)
+
+
+def backward_table(args):
+    """Forward + backward through autograd, mha against torch, fp32 and bf16 (fp16 too)."""
+    header = ["shape (B, H, T, D)"] + [f"{lib} {n}" for n in ("fp32", "bf16", "fp16") for lib in ("mha", "torch")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for B, H, T, D, causal in BACKWARD_SHAPES:
+        gen = torch.Generator().manual_seed(0)
+        base = [torch.randn(B, H, T, D, generator=gen) for _ in range(3)]
+        dout = torch.randn(B, H, T, D, generator=gen)
+        work = flops(B, H, T, D, causal) + backward_flops(B, H, T, D, causal)
+        cells = []
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            xs = [b.to(dtype).requires_grad_() for b in base]
+            g = dout.to(dtype)
+            seconds = {}
+            for lib, fn in (("mha", mha.scaled_dot_product_attention),
+                            ("torch", torch.nn.functional.scaled_dot_product_attention)):
+                def step():
+                    for x in xs:
+                        x.grad = None
+                    fn(*xs, is_causal=causal).backward(g)
+                seconds[lib] = median_seconds(step, args.seconds)
+            cells.append(f"{work / seconds['mha'] / 1e9:.0f} ({seconds['torch'] / seconds['mha']:.2f}×)")
+            cells.append(f"{work / seconds['torch'] / 1e9:.0f}")
+        shape = f"({B}, {H}, {T}, {D}){' causal' if causal else ''}"
+        lines.append("| " + " | ".join([shape] + cells) + " |")
+        print(lines[-1], flush=True)
+    note = ("\nForward + backward through autograd (loss·dout), GFLOP/s counting the forward (4·T²·D per head) "
+            "and the backward (2.5× the forward), causal on the visible half; mha's cells give its speed over "
+            f"torch's in the same dtype. {THREADS} threads; torch {torch.__version__}.\n")
+    return "\n".join(lines) + "\n" + note
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peak", type=float, required=True, help="fp32 FMA peak in GFLOP/s (mha bench --peak)")
@@ -114,8 +154,16 @@ def main():
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--json", default=None, help="also write GFLOP/s per shape and column here (plot_peers.py)")
+    parser.add_argument("--backward", action="store_true", help="only the forward+backward table (mha vs torch)")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
+    if args.backward:
+        table = backward_table(args)
+        print("\n" + table)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(table)
+        return
     # (name, the mha column it is compared with, case maker)
     peers = [("torch fp32", "fp32", lambda q, k, v, c: torch_case(q, k, v, c, torch.float32)),
              ("torch bf16", "bf16", lambda q, k, v, c: torch_case(q, k, v, c, torch.bfloat16)),
