@@ -327,6 +327,8 @@ NB_MODULE(_mha, m) {
            nb::arg("b").none())
       .def_prop_ro("capacity", &KvCache::capacity)
       .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
+      .def_prop_ro("dtype", [](const KvCache& c) { return std::string(dtype_label(c.config().dtype)); })
+      .def_prop_ro("nbytes", &KvCache::nbytes)
       .def("reset", &KvCache::reset);
 
   nb::class_<PyMha>(m, "Module")
@@ -448,8 +450,10 @@ NB_MODULE(_mha, m) {
           nb::arg("dropout_seed").none() = nb::none(), nb::arg("num_threads") = 0, nb::arg("backend") = "auto")
       .def(
           "make_cache",
-          [](const PyMha& self, int64_t batch, int64_t capacity) { return self.m.make_cache(batch, capacity); },
-          nb::arg("batch"), nb::arg("capacity") = 0)
+          [](const PyMha& self, int64_t batch, int64_t capacity, const std::string& dtype) {
+            return self.m.make_cache(batch, capacity, dtype_of(dtype));
+          },
+          nb::arg("batch"), nb::arg("capacity") = 0, nb::arg("dtype") = "float32")
       .def(
           "step",
           [](const PyMha& self, const In& x, KvCache& cache, const std::vector<int64_t>& new_tokens, int num_threads) {

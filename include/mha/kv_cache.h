@@ -25,6 +25,10 @@ struct KvCacheConfig {
   int64_t head_dim_v = 0;
   int64_t capacity = 0;  // initial slots per sequence (grown by doubling); 0: 16
   int64_t window = 0;    // 0: keep every position; else a ring of the last `window` positions
+  // Storage type of keys and values: kF32, kBF16 or kF16. 16-bit caches hold half the bytes
+  // (decoding reads half as much); append() rounds to them (nearest even), and attention over
+  // the cache reads them widened to float32 (the query is rounded to the cache's type first).
+  DType dtype = DType::kF32;
 };
 
 class KvCache {
@@ -45,13 +49,25 @@ class KvCache {
   // as needed; windowed caches keep the last `window` positions.
   void append(const View<const float>& k, const View<const float>& v, const std::vector<int64_t>& counts = {});
 
-  // The storage as (B, Hkv, capacity, D) views.
-  View<const float> keys() const;
-  View<const float> values() const;
+  // The storage as (B, Hkv, capacity, D) views of the cache's dtype: T must be that type (float
+  // for the default), else an mha::Error.
+  template <typename T = float>
+  View<const T> keys() const {
+    check_dtype(DTypeOf<T>::value, "keys");
+    return k_.view<T>();
+  }
+  template <typename T = float>
+  View<const T> values() const {
+    check_dtype(DTypeOf<T>::value, "values");
+    return v_.view<T>();
+  }
+  // Bytes of key and value storage (capacity slots).
+  int64_t nbytes() const { return static_cast<int64_t>(k_.nbytes() + v_.nbytes()); }
 
  private:
   void reserve(int64_t slots);
   void check_sequence(int64_t b, const char* accessor) const;
+  void check_dtype(DType wanted, const char* accessor) const;
 
   KvCacheConfig config_;
   int64_t capacity_ = 0;

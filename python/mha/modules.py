@@ -284,10 +284,13 @@ class MultiheadAttention:
 
     # --- decoding ----------------------------------------------------------------------------
 
-    def make_cache(self, batch, capacity=0):
-        """A KV cache for step(): this module's kv heads and head dims."""
+    def make_cache(self, batch, capacity=0, dtype=None):
+        """A KV cache for step(): this module's kv heads and head dims. dtype: how keys and values
+        are stored — float32 (default), bfloat16 or float16 (torch/numpy dtypes or names): half
+        the bytes, rounded once when appended; the queries are rounded to it for attention."""
         return self._m.make_cache(A.check_int(batch, "MultiheadAttention.make_cache: batch", 0, 2**63 - 1),
-                                  A.check_int(capacity, "MultiheadAttention.make_cache: capacity", 0, 2**63 - 1))
+                                  A.check_int(capacity, "MultiheadAttention.make_cache: capacity", 0, 2**63 - 1),
+                                  dtype=_dtype_name(dtype))
 
     def step(self, x, cache, new_tokens=None):
         """Incremental self-attention: x holds the newest positions (N, n, E) (or (n, N, E) when

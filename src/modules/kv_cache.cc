@@ -4,8 +4,33 @@
 #include <cstring>
 
 #include "util/check.h"
+#include "util/convert.h"
+#include "util/fp16.h"
 
 namespace mha {
+namespace {
+
+// Row (b, h, t) of x (any strides) into storage of dtype t at element `at`, rounded to it.
+void store_row(const View<const float>& x, int64_t b, int64_t h, int64_t t, void* storage, int64_t at, int64_t width,
+               DType dtype) {
+  const float* row = x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
+  if (dtype == DType::kF32) {
+    float* dst = static_cast<float*>(storage) + at;
+    for (int64_t d = 0; d < width; ++d) dst[d] = row[d * x.stride[3]];
+    return;
+  }
+  auto* dst = static_cast<uint16_t*>(storage) + at;
+  if (x.stride[3] == 1) {
+    narrow_from_f32(row, dtype, dst, width);
+    return;
+  }
+  for (int64_t d = 0; d < width; ++d) {
+    const float v = row[d * x.stride[3]];
+    dst[d] = dtype == DType::kBF16 ? float_to_bf16(v) : float_to_half(v);
+  }
+}
+
+}  // namespace
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   const auto& c = config_;
@@ -13,6 +38,8 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
             "KvCache: batch {}, kv_heads {}, head dims ({}, {}), capacity {}, window {}: all must be positive "
             "(batch, capacity and window may be 0)",
             c.batch, c.kv_heads, c.head_dim_qk, c.head_dim_v, c.capacity, c.window);
+  MHA_CHECK(c.dtype == DType::kF32 || c.dtype == DType::kBF16 || c.dtype == DType::kF16,
+            "KvCache: dtype must be F32, BF16 or F16; got {}", dtype_name(c.dtype));
   // The storage's element counts must fit int64 (Tensor checks the allocation itself).
   const int64_t per_slot = checked_add(c.head_dim_qk, c.head_dim_v, "KvCache: head dims");
   checked_mul(checked_mul(c.batch, c.kv_heads, "KvCache: batch · kv_heads"), per_slot, "KvCache: storage per slot");
@@ -24,6 +51,11 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
 void KvCache::check_sequence(int64_t b, const char* accessor) const {
   MHA_CHECK(b >= 0 && b < config_.batch, "KvCache::{}: sequence {} is outside [0, batch = {})", accessor, b,
             config_.batch);
+}
+
+void KvCache::check_dtype(DType wanted, const char* accessor) const {
+  MHA_CHECK(wanted == config_.dtype, "KvCache::{}: the cache stores {}; asked for {}", accessor,
+            dtype_name(config_.dtype), dtype_name(wanted));
 }
 
 int64_t KvCache::length(int64_t b) const {
@@ -41,19 +73,20 @@ void KvCache::reset() { std::fill(length_.begin(), length_.end(), 0); }
 void KvCache::reserve(int64_t slots) {
   if (slots <= capacity_) return;
   const auto& c = config_;
-  Tensor k(DType::kF32, {c.batch, c.kv_heads, slots, c.head_dim_qk});
-  Tensor v(DType::kF32, {c.batch, c.kv_heads, slots, c.head_dim_v});
+  Tensor k(c.dtype, {c.batch, c.kv_heads, slots, c.head_dim_qk});
+  Tensor v(c.dtype, {c.batch, c.kv_heads, slots, c.head_dim_v});
+  const int64_t es = static_cast<int64_t>(dtype_size(c.dtype));
   if (capacity_ > 0) {
     // Rows [0, stored) keep their slots: a ring only grows before it wraps (capacity < window).
     for (int64_t b = 0; b < c.batch; ++b)
       for (int64_t h = 0; h < c.kv_heads; ++h) {
         const int64_t rows = stored(b);
-        std::memcpy(k.data<float>() + (b * c.kv_heads + h) * slots * c.head_dim_qk,
-                    k_.data<float>() + (b * c.kv_heads + h) * capacity_ * c.head_dim_qk,
-                    static_cast<size_t>(rows * c.head_dim_qk) * sizeof(float));
-        std::memcpy(v.data<float>() + (b * c.kv_heads + h) * slots * c.head_dim_v,
-                    v_.data<float>() + (b * c.kv_heads + h) * capacity_ * c.head_dim_v,
-                    static_cast<size_t>(rows * c.head_dim_v) * sizeof(float));
+        std::memcpy(static_cast<std::byte*>(k.raw()) + (b * c.kv_heads + h) * slots * c.head_dim_qk * es,
+                    static_cast<const std::byte*>(k_.raw()) + (b * c.kv_heads + h) * capacity_ * c.head_dim_qk * es,
+                    static_cast<size_t>(rows * c.head_dim_qk * es));
+        std::memcpy(static_cast<std::byte*>(v.raw()) + (b * c.kv_heads + h) * slots * c.head_dim_v * es,
+                    static_cast<const std::byte*>(v_.raw()) + (b * c.kv_heads + h) * capacity_ * c.head_dim_v * es,
+                    static_cast<size_t>(rows * c.head_dim_v * es));
       }
   }
   k_ = std::move(k);
@@ -87,20 +120,18 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
     // A windowed cache only needs the last `window` of the new positions.
     const int64_t first = c.window > 0 ? std::max<int64_t>(0, cnt - c.window) : 0;
     for (int64_t h = 0; h < c.kv_heads; ++h) {
-      float* kd = k_.data<float>() + (b * c.kv_heads + h) * capacity_ * c.head_dim_qk;
-      float* vd = v_.data<float>() + (b * c.kv_heads + h) * capacity_ * c.head_dim_v;
+      const int64_t kh = (b * c.kv_heads + h) * capacity_ * c.head_dim_qk;
+      const int64_t vh = (b * c.kv_heads + h) * capacity_ * c.head_dim_v;
       for (int64_t t = first; t < cnt; ++t) {
         const int64_t pos = length_[b] + t;
         const int64_t slot = c.window > 0 ? pos % c.window : pos;
-        for (int64_t d = 0; d < c.head_dim_qk; ++d) kd[slot * c.head_dim_qk + d] = k.at(b, h, t, d);
-        for (int64_t d = 0; d < c.head_dim_v; ++d) vd[slot * c.head_dim_v + d] = v.at(b, h, t, d);
+        store_row(k, b, h, t, k_.raw(), kh + slot * c.head_dim_qk, c.head_dim_qk, c.dtype);
+        store_row(v, b, h, t, v_.raw(), vh + slot * c.head_dim_v, c.head_dim_v, c.dtype);
       }
     }
     length_[b] += cnt;
   }
 }
 
-View<const float> KvCache::keys() const { return k_.view<float>(); }
-View<const float> KvCache::values() const { return v_.view<float>(); }
 
 }  // namespace mha

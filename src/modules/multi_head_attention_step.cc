@@ -1,14 +1,124 @@
 // MultiHeadAttention decoding: a KvCache per stream, step() for prefill and one token at a time.
 #include <algorithm>
+#include <type_traits>
 
 #include "mha/multi_head_attention.h"
 #include "modules/multi_head_attention_internal.h"
 #include "ops/attention_internal.h"
 #include "util/check.h"
+#include "util/convert.h"
 
 namespace mha {
 
-KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity) const {
+namespace {
+
+// x (B, H, n, D) with contiguous rows, rounded to T (a copy; float: a view of x itself).
+template <typename T>
+Tensor rounded_heads(const View<float>& x) {
+  Tensor t(DTypeOf<T>::value, {x.shape[0], x.shape[1], x.shape[2], x.shape[3]});
+  T* dst = t.data<T>();
+  for (int64_t b = 0; b < x.shape[0]; ++b)
+    for (int64_t h = 0; h < x.shape[1]; ++h)
+      for (int64_t i = 0; i < x.shape[2]; ++i) {
+        narrow_from_f32(x.data + b * x.stride[0] + h * x.stride[1] + i * x.stride[2], DTypeOf<T>::value, dst,
+                        x.shape[3]);
+        dst += x.shape[3];
+      }
+  return t;
+}
+
+// The new positions' attention over the cache — appending their keys and values — into `out`
+// (float32 heads of the merged rows). T is the cache's element type: a 16-bit cache attends in
+// T (the queries rounded to it, as ggml does for its f16 caches) and its result is widened into
+// out; float32 attends in place.
+template <typename T>
+void attend_cache(const MultiHeadAttentionConfig& c, const modules::QkvHeads& heads, const std::vector<int64_t>& counts,
+                  KvCache& cache, const View<float>& out, AttentionOptions opt) {
+  constexpr bool kF32 = std::is_same_v<T, float>;
+  const int64_t B = out.shape[0], n = out.shape[2], Hkv = c.num_kv_heads;
+  const int64_t dqk = heads.q.shape[3], dv = out.shape[3];
+  const View<float>& kh = heads.k;
+  const View<float>& vh = heads.v;
+  Tensor q16, out16;
+  View<const T> q;
+  View<T> o;
+  if constexpr (kF32) {
+    q = heads.q;
+    o = out;
+  } else {
+    q16 = rounded_heads<T>(heads.q);
+    q = q16.view<T>();
+    out16 = Tensor(DTypeOf<T>::value, {B, out.shape[1], n, dv});
+    o = out16.view<T>();
+  }
+  const BasicAttentionOutputs<T> ao{o};
+  Tensor lengths(DType::kI64, {B});
+  std::vector<int64_t> offsets(static_cast<size_t>(B));
+
+  const bool windowed = c.window > 0;
+  bool single = true;  // one new position per sequence: a windowed ring then holds exactly what it sees
+  for (int64_t b = 0; b < B; ++b) single &= counts[b] == 1;
+  if (!windowed || single) {
+    // Append first, then attend to the cache.
+    cache.append(kh, vh, counts);
+    for (int64_t b = 0; b < B; ++b) {
+      lengths.data<int64_t>()[b] = cache.stored(b);
+      offsets[b] = cache.length(b) - counts[b];  // query i sits at position length - count + i
+    }
+    const BasicAttentionInputs<T> ai{q, cache.keys<T>(), cache.values<T>(), {}, {}, lengths.view<int64_t>()};
+    if (windowed) {
+      attention(ai, ao, opt);  // the ring holds exactly the window: every stored key is visible
+    } else {
+      opt.causal = Causal::kBottomRight;
+      ops::attention_with_offsets(ai, ao, opt, offsets.data());
+    }
+  } else {
+    // A windowed chunk: its first query needs up to window-1 positions before the chunk, which
+    // the chunk's own append could overwrite in the ring. Gather them, in position order,
+    // followed by the chunk's keys (rounded to the cache's type, as appending stores them);
+    // attend; then append.
+    const int64_t before = c.window - 1, span = before + n;
+    Tensor kt(DTypeOf<T>::value, {B, Hkv, span, dqk}), vt(DTypeOf<T>::value, {B, Hkv, span, dv});
+    const View<const T> ck = cache.keys<T>(), cv = cache.values<T>();
+    const Tensor kn = rounded_heads<T>(kh), vn = rounded_heads<T>(vh);
+    const View<const T> knv = kn.view<T>(), vnv = vn.view<T>();
+    const View<T> ktv = kt.view<T>(), vtv = vt.view<T>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t L0 = cache.length(b), kept = std::min(L0, before);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        for (int64_t t = 0; t < kept; ++t) {
+          const int64_t slot = (L0 - kept + t) % c.window;
+          for (int64_t e = 0; e < dqk; ++e) ktv.at(b, h, t, e) = ck.at(b, h, slot, e);
+          for (int64_t e = 0; e < dv; ++e) vtv.at(b, h, t, e) = cv.at(b, h, slot, e);
+        }
+        for (int64_t t = 0; t < counts[b]; ++t) {
+          for (int64_t e = 0; e < dqk; ++e) ktv.at(b, h, kept + t, e) = knv.at(b, h, t, e);
+          for (int64_t e = 0; e < dv; ++e) vtv.at(b, h, kept + t, e) = vnv.at(b, h, t, e);
+        }
+      }
+      lengths.data<int64_t>()[b] = kept + counts[b];
+      offsets[b] = kept;
+    }
+    opt.causal = Causal::kBottomRight;
+    opt.window = c.window;
+    const BasicAttentionInputs<T> ai{q, kt.view<T>(), vt.view<T>(), {}, {}, lengths.view<int64_t>()};
+    ops::attention_with_offsets(ai, ao, opt, offsets.data());
+    cache.append(kh, vh, counts);
+  }
+  if constexpr (!kF32) {  // widen the result into the float32 merged rows
+    const T* src = out16.data<T>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < out.shape[1]; ++h)
+        for (int64_t i = 0; i < n; ++i) {
+          widen_to_f32(src, DTypeOf<T>::value, out.data + b * out.stride[0] + h * out.stride[1] + i * out.stride[2], dv);
+          src += dv;
+        }
+  }
+}
+
+}  // namespace
+
+KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dtype) const {
   KvCacheConfig k;
   k.batch = batch;
   k.kv_heads = config_.num_kv_heads;
@@ -16,6 +126,7 @@ KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity) const {
   k.head_dim_v = head_dim_v();
   k.capacity = capacity;
   k.window = config_.window;
+  k.dtype = dtype;
   return KvCache(k);
 }
 
@@ -86,54 +197,11 @@ MhaOutputs MultiHeadAttention::step_impl(const View<const T>& x, KvCache& cache,
   AttentionOptions opt;
   opt.num_threads = options.num_threads;
   opt.backend = options.backend;
-  Tensor lengths(DType::kI64, {B});
-  std::vector<int64_t> offsets(static_cast<size_t>(B));
 
-  const bool windowed = c.window > 0;
-  bool single = true;  // one new position per sequence: a windowed ring then holds exactly what it sees
-  for (int64_t b = 0; b < B; ++b) single &= counts[b] == 1;
-  if (!windowed || single) {
-    // Append first, then attend to the cache.
-    cache.append(kh, vh, counts);
-    for (int64_t b = 0; b < B; ++b) {
-      lengths.data<int64_t>()[b] = cache.stored(b);
-      offsets[b] = cache.length(b) - counts[b];  // query i sits at position length - count + i
-    }
-    const AttentionInputs ai{qh, cache.keys(), cache.values(), {}, {}, lengths.view<int64_t>()};
-    if (windowed) {
-      attention(ai, ao, opt);  // the ring holds exactly the window: every stored key is visible
-    } else {
-      opt.causal = Causal::kBottomRight;
-      ops::attention_with_offsets(ai, ao, opt, offsets.data());
-    }
-  } else {
-    // A windowed chunk: its first query needs up to window-1 positions before the chunk, which
-    // the chunk's own append could overwrite in the ring. Gather them, in position order,
-    // followed by the chunk's keys; attend; then append.
-    const int64_t before = c.window - 1, span = before + n;
-    Tensor kt(DType::kF32, {B, Hkv, span, dqk}), vt(DType::kF32, {B, Hkv, span, dv});
-    const View<const float> ck = cache.keys(), cv = cache.values();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t L0 = cache.length(b), kept = std::min(L0, before);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        for (int64_t t = 0; t < kept; ++t) {
-          const int64_t slot = (L0 - kept + t) % c.window;
-          for (int64_t e = 0; e < dqk; ++e) kt.view<float>().at(b, h, t, e) = ck.at(b, h, slot, e);
-          for (int64_t e = 0; e < dv; ++e) vt.view<float>().at(b, h, t, e) = cv.at(b, h, slot, e);
-        }
-        for (int64_t t = 0; t < counts[b]; ++t) {
-          for (int64_t e = 0; e < dqk; ++e) kt.view<float>().at(b, h, kept + t, e) = kh.at(b, h, t, e);
-          for (int64_t e = 0; e < dv; ++e) vt.view<float>().at(b, h, kept + t, e) = vh.at(b, h, t, e);
-        }
-      }
-      lengths.data<int64_t>()[b] = kept + counts[b];
-      offsets[b] = kept;
-    }
-    opt.causal = Causal::kBottomRight;
-    opt.window = c.window;
-    const AttentionInputs ai{qh, kt.view<float>(), vt.view<float>(), {}, {}, lengths.view<int64_t>()};
-    ops::attention_with_offsets(ai, ao, opt, offsets.data());
-    cache.append(kh, vh, counts);
+  switch (cache.config().dtype) {
+    case DType::kBF16: attend_cache<bfloat16>(c, heads, counts, cache, ao.out, opt); break;
+    case DType::kF16: attend_cache<float16>(c, heads, counts, cache, ao.out, opt); break;
+    default: attend_cache<float>(c, heads, counts, cache, ao.out, opt); break;
   }
 
   // Rows past new_tokens[b] are padding: zeros.

@@ -9,6 +9,7 @@
 #include "kernels/ref/attention_ref.h"
 #include "ops/attention_internal.h"
 #include "ops/attention_checks.h"
+#include "util/convert.h"
 #include "util/parallel.h"
 
 namespace mha {
@@ -45,7 +46,11 @@ void round_weights(const Tensor& src, const View<T>& dst, int num_threads) {
     const int64_t a = r / (dst.shape[1] * inner), b = r / inner % dst.shape[1], c = r % inner;
     T* row = dst.data + a * dst.stride[0] + b * dst.stride[1] + (dst.rank == 4 ? c * dst.stride[2] : 0);
     const int64_t cs = dst.stride[dst.rank - 1];
-    for (int64_t j = 0; j < cols; ++j) kernels::store_element(row, j * cs, w[r * cols + j], DTypeOf<T>::value);
+    if (cs == 1) {
+      narrow_from_f32(w + r * cols, DTypeOf<T>::value, row, cols);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) kernels::store_element(row, j * cs, w[r * cols + j], DTypeOf<T>::value);
+    }
   });
 }
 
@@ -96,10 +101,26 @@ void attention(const BasicAttentionInputs<float16>& in, const BasicAttentionOutp
 
 namespace ops {
 
-void attention_with_offsets(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options,
-                            const int64_t* causal_offset) {
+namespace {
+template <typename T>
+void with_offsets(const BasicAttentionInputs<T>& in, const BasicAttentionOutputs<T>& out, const AttentionOptions& options,
+                  const int64_t* causal_offset) {
   if (options.causal == Causal::kNone) throw Error("attention: causal offsets need causal masking");
   checked_run(in, out, options, causal_offset);
+}
+}  // namespace
+
+void attention_with_offsets(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options,
+                            const int64_t* causal_offset) {
+  with_offsets(in, out, options, causal_offset);
+}
+void attention_with_offsets(const BasicAttentionInputs<bfloat16>& in, const BasicAttentionOutputs<bfloat16>& out,
+                            const AttentionOptions& options, const int64_t* causal_offset) {
+  with_offsets(in, out, options, causal_offset);
+}
+void attention_with_offsets(const BasicAttentionInputs<float16>& in, const BasicAttentionOutputs<float16>& out,
+                            const AttentionOptions& options, const int64_t* causal_offset) {
+  with_offsets(in, out, options, causal_offset);
 }
 
 }  // namespace ops

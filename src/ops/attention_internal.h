@@ -13,6 +13,10 @@ namespace mha::ops {
 // sequences of different lengths and for windowed chunks.
 void attention_with_offsets(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options,
                             const int64_t* causal_offset);
+void attention_with_offsets(const BasicAttentionInputs<bfloat16>& in, const BasicAttentionOutputs<bfloat16>& out,
+                            const AttentionOptions& options, const int64_t* causal_offset);
+void attention_with_offsets(const BasicAttentionInputs<float16>& in, const BasicAttentionOutputs<float16>& out,
+                            const AttentionOptions& options, const int64_t* causal_offset);
 
 }  // namespace mha::ops
 

@@ -59,6 +59,7 @@ HWY_INLINE void StoreFromFloat(DF d, hn::Vec<DF> v, size_t n, float* p) {
 }
 template <class DF>
 HWY_INLINE void StoreFromFloat(DF d, hn::Vec<DF> v, size_t n, bfloat16* p) {
+  (void)d;
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   const hn::Rebind<uint16_t, DF> du16;

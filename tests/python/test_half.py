@@ -184,3 +184,20 @@ def test_module_dtype_errors():
         m(a)
     with pytest.raises(mha.Error, match="dtype must be"):
         mha.MultiheadAttention(16, 2, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dt", list(UNIT))
+def test_sixteen_bit_kv_cache(dt):
+    m = mha.MultiheadAttention(48, 6, batch_first=True, num_kv_heads=2).eval()
+    x = torch.randn(2, 10, 48)
+    c32, c16 = m.make_cache(2), m.make_cache(2, dtype=dt)
+    assert c16.dtype == NAME[dt] and c32.dtype == "float32"
+    a = torch.cat([m.step(x[:, :6], c32)] + [m.step(x[:, t:t + 1], c32) for t in range(6, 10)], dim=1)
+    b = torch.cat([m.step(x[:, :6], c16)] + [m.step(x[:, t:t + 1], c16) for t in range(6, 10)], dim=1)
+    assert c16.nbytes * 2 == c32.nbytes
+    # q, k, v and the attention output rounded once each: within 8 u16 (docs/numerics.md)
+    err = rel_error(b.numpy(), a.numpy())
+    record(f"kv cache {NAME[dt]} vs float32 cache", err)
+    assert 0 < err <= 8 * UNIT[dt]
+    with pytest.raises(mha.Error, match="dtype must be"):
+        m.make_cache(1, dtype="int8")

@@ -1,6 +1,6 @@
 // The fast attention forward (FlashAttention-2 style) for float32, bfloat16 and float16 inputs
-// (computing in float32), compiled for each SIMD
-// target Highway knows (AVX-512, AVX2, portable) and chosen once per call.
+// (computing in float32), compiled for each SIMD target Highway knows (AVX-512, AVX2, portable)
+// and chosen once per call.
 //
 // For each task (b, kv head, query block; see flash_plan.h) and each key block j0..j0+Bk:
 //   St = K_blk · Qtᵀ-tile              scores (Q pre-scaled by scale)
