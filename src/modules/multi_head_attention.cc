@@ -561,8 +561,6 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
   }
   std::unique_ptr<MhaTape::State> saved;
   if (tape) {
-    MHA_CHECK(c.dtype == DType::kF32, "MultiHeadAttention::forward: recording a tape (training) needs a float32 "
-              "module; this one is {}", dtype_name(c.dtype));
     saved = std::make_unique<MhaTape::State>();
     saved->lse = Tensor(DType::kF32, {B, Hq, Tq});
     ao.lse = saved->lse.view<float>();

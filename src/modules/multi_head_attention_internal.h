@@ -58,27 +58,18 @@ inline QkvHeads qkv_heads(const MultiHeadAttentionConfig& c, float* q, float* k,
           heads_view(v, lk, rows[2], c.num_kv_heads, dv)};
 }
 
-// Rows of a (B, T, E) or (T, B, E) input, contiguous (copied if the view is not).
-struct Rows {
-  const float* data = nullptr;
-  Tensor holder;
-};
-inline Rows contiguous_rows(const View<const float>& v) {
-  if (v.is_contiguous()) return {v.data, Tensor()};
-  Rows r{nullptr, to_tensor(v)};
-  r.data = r.holder.data<float>();
-  return r;
-}
-
-// Rows of a (B, T, E) or (T, B, E) input in what the module's projections read: float32 rows
-// for float32 and float16 modules (float16 widened), bfloat16 rows for bfloat16 modules.
+// Rows of a (B, T, E) or (T, B, E) input, contiguous (copied if the view is not), in what the
+// module's projections read: float32 rows for float32 and float16 modules (float16 widened),
+// bfloat16 rows for bfloat16 modules.
 struct InputRows {
   const void* data = nullptr;
   Tensor holder;  // the copy, when one was needed
 };
 inline InputRows input_rows(const View<const float>& v) {
-  Rows r = contiguous_rows(v);
-  return {r.data, std::move(r.holder)};
+  if (v.is_contiguous()) return {v.data, Tensor()};
+  InputRows r{nullptr, to_tensor(v)};
+  r.data = r.holder.raw();
+  return r;
 }
 inline InputRows input_rows(const View<const bfloat16>& v) {
   if (v.is_contiguous()) return {v.data, Tensor()};
