@@ -360,7 +360,8 @@ TEST_P(HalfTest, SpecialValues) {
 }
 
 // The 16-bit backward is the float32 backward on the widened arguments, rounded once: the
-// same bits as doing that by hand.
+// same bits as doing that by hand — the fast kernel reading 16-bit arguments directly, and the
+// reference backend on widened copies.
 TEST_P(HalfTest, BackwardIsRoundedFloat32Backward) {
   Rng rng(base_seed() + 121);
   for (Causal c : {Causal::kNone, Causal::kBottomRight}) {
@@ -400,6 +401,22 @@ TEST_P(HalfTest, BackwardIsRoundedFloat32Backward) {
     EXPECT_TRUE(bitwise_equal(hq, gq.converted(p.dtype))) << p.describe();
     EXPECT_TRUE(bitwise_equal(hk, gk.converted(p.dtype))) << p.describe();
     EXPECT_TRUE(bitwise_equal(hv, gv.converted(p.dtype))) << p.describe();
+    // The reference backend: the float64-accumulating reference on the widened arguments, rounded.
+    AttentionOptions ro = p.opt;
+    ro.backend = Backend::kReference;
+    attention_backward(p.inputs32(), out32.view<float>(), fwd.lse.view<float>(), gow.view<float>(),
+                       {gq.view<float>(), gk.view<float>(), gv.view<float>()}, ro);
+    Tensor rq(p.dtype, gq.shape()), rk(p.dtype, gk.shape()), rv(p.dtype, gv.shape());
+    if (p.dtype == DType::kBF16) {
+      attention_backward(p.inputs16<bfloat16>(), out16.view<bfloat16>(), fwd.lse.view<float>(),
+                         go16.view<bfloat16>(), {rq.view<bfloat16>(), rk.view<bfloat16>(), rv.view<bfloat16>()}, ro);
+    } else {
+      attention_backward(p.inputs16<float16>(), out16.view<float16>(), fwd.lse.view<float>(), go16.view<float16>(),
+                         {rq.view<float16>(), rk.view<float16>(), rv.view<float16>()}, ro);
+    }
+    EXPECT_TRUE(bitwise_equal(rq, gq.converted(p.dtype))) << p.describe();
+    EXPECT_TRUE(bitwise_equal(rk, gk.converted(p.dtype))) << p.describe();
+    EXPECT_TRUE(bitwise_equal(rv, gv.converted(p.dtype))) << p.describe();
     // And the gradients are not trivially zero.
     EXPECT_GT(max_abs(hq.to_f32().view<float>()), 0.0);
     EXPECT_GT(max_abs(hv.to_f32().view<float>()), 0.0);

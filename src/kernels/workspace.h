@@ -27,7 +27,7 @@ class Workspace {
     kQueryStage, kKeyStage, kValueStage,
     // Backward (flash_bwd.cc).
     kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
-    kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats,
+    kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,
     // Decoding (flash_decode.cc).
     kDecodeQuery, kDecodeZeroRow, kDecodeScores, kDecodeRescale, kDecodeLo, kDecodeHi, kDecodeMerge,
     kDecodeOut, kDecodeMax, kDecodeSum,

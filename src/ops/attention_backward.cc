@@ -110,8 +110,8 @@ void check_like16(const View<T>& g, const View<const T>& like, const char* name,
 }
 
 // The 16-bit backward: every check of the forward and of the gradients on the caller's views,
-// then the float32 backward on widened copies (O(T·D) memory, as the backward's own), and the
-// gradients rounded once to T.
+// then the fast kernel reading the 16-bit arguments directly (widened as read, gradients rounded
+// once), or, on the reference backend, the float32 reference on widened copies, rounded once.
 template <typename T>
 void backward16(const BasicAttentionInputs<T>& in, const View<const T>& out, const View<const float>& lse,
                 const View<const T>& grad_out, const BasicAttentionInputGrads<T>& grads,
@@ -123,7 +123,7 @@ void backward16(const BasicAttentionInputs<T>& in, const View<const T>& out, con
   fwd.out.rank = out.rank, fwd.out.shape = out.shape, fwd.out.stride = out.stride;
   fwd.lse.data = const_cast<float*>(lse.data);
   fwd.lse.rank = lse.rank, fwd.lse.shape = lse.shape, fwd.lse.stride = lse.stride;
-  ops::make_attention_params(in, fwd, options);  // the checks only
+  const kernels::AttentionParams p = ops::make_attention_params(in, fwd, options);
   MHA_CHECK(grad_out.rank == 4 && grad_out.shape == out.shape,
             "attention_backward: grad_out must have the shape of out {}; got {}", shape_string(out),
             shape_string(grad_out));
@@ -132,6 +132,19 @@ void backward16(const BasicAttentionInputs<T>& in, const View<const T>& out, con
   check_like16(grads.grad_value, in.value, "grad_value", "value");
   const int n = options.num_threads;
   try {
+    if (options.backend != Backend::kReference) {
+      kernels::AttentionGradParams g;
+      g.grad_out = grad_out.data;
+      g.grad_out_stride = strides(grad_out);
+      g.grad_q = grads.grad_query.data;
+      g.grad_q_stride = strides(grads.grad_query);
+      g.grad_k = grads.grad_key.data;
+      g.grad_k_stride = strides(grads.grad_key);
+      g.grad_v = grads.grad_value.data;
+      g.grad_v_stride = strides(grads.grad_value);
+      kernels::flash_backward(p, g, n);
+      return;
+    }
     const Tensor q = widen(in.query, n), k = widen(in.key, n), v = widen(in.value, n);
     const Tensor o = widen(out, n), go = widen(grad_out, n);
     Tensor gq(DType::kF32, q.shape()), gk(DType::kF32, k.shape()), gv(DType::kF32, v.shape());
@@ -143,7 +156,7 @@ void backward16(const BasicAttentionInputs<T>& in, const View<const T>& out, con
     narrow(gk, grads.grad_key, n);
     narrow(gv, grads.grad_value, n);
   } catch (const std::bad_alloc&) {
-    throw Error("attention_backward: out of memory for the float32 copies (query " + shape_string(in.query) + ")");
+    throw Error("attention_backward: out of memory for scratch buffers (query " + shape_string(in.query) + ")");
   }
 }
 

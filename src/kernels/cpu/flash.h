@@ -21,8 +21,8 @@ void flash_weights(const AttentionParams& p, const float* row_lse, int num_threa
 // "flash_fwd_f32_AVX3_r48_k64": the variant that runs on this CPU.
 std::string flash_forward_name();
 
-// The backward (p as in the forward, with p.out and p.lse the forward's results); float32 only
-// (p.dtype == kF32: the op layer widens 16-bit arguments).
+// The backward (p as in the forward, with p.out and p.lse the forward's results), for every
+// dtype: 16-bit arguments are widened as they are read, the gradients rounded once.
 void flash_backward(const AttentionParams& p, const AttentionGradParams& g, int num_threads);
 
 // Decoding: at most kMaxDecodeRows query rows per kv head (Tq · Hq/Hkv), no keep mask, bias,

@@ -1,5 +1,5 @@
-// The fast attention backward (FlashAttention-2, Algorithm 2, adapted to the CPU), float32,
-// compiled per SIMD target like the forward.
+// The fast attention backward (FlashAttention-2, Algorithm 2, adapted to the CPU), float32 (and
+// bfloat16/float16 arguments widened as they are read), compiled per SIMD target like the forward.
 //
 // A task is one (batch, kv head): all its key blocks (outer loop) against all query blocks of
 // its G query heads (inner loop). Per pair of blocks, with query rows in the lanes as in the
@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/exp2-inl.h"
@@ -95,21 +96,26 @@ void Outer(DF d, const float* A, int64_t sx, int64_t sa, const float* B, size_t 
   }
 }
 
-// Rows of the task as a row-major (mpad × ld) tile, zero past `width` and for invalid rows.
-void PackRows(const TaskRows& t, const float* src, const Strides4& st, int64_t width, size_t ld, float* dst) {
+// Rows of the task as a row-major (mpad × ld) float32 tile, zero past `width` and for invalid
+// rows (src of element type T, widened).
+template <typename T>
+void PackRows(const TaskRows& t, const T* src, const Strides4& st, int64_t width, size_t ld, float* dst) {
   for (size_t r = 0; r < t.mpad; ++r) {
     float* out = dst + r * ld;
     std::fill(out, out + ld, 0.0f);
     if (!t.valid[r]) continue;
-    const float* row = src + t.b * st[0] + t.head[r] * st[1] + t.query[r] * st[2];
-    for (int64_t c = 0; c < width; ++c) out[c] = row[c * st[3]];
+    RowToFloat(src + t.b * st[0] + t.head[r] * st[1] + t.query[r] * st[2], st[3], static_cast<size_t>(width), out);
   }
 }
 
 size_t RoundUp(size_t x, size_t n) { return (x + n - 1) / n * n; }
 
+// T: the element type of q, k, v, out, dO and the gradients. 16-bit ones are widened as they are
+// read (K and V a block at a time, into float32 scratch) and the gradients rounded once.
+template <typename T>
 void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const FlashPlan& plan, int64_t b,
                   int64_t hk) {
+  constexpr bool kWide = std::is_same_v<T, float>;
   const DF d;
   const size_t N = hn::Lanes(d);
   const int64_t G = p.group(), Tq = p.q_len;
@@ -131,25 +137,33 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   float* lse = ws.get<float>(Workspace::kBwdLse, static_cast<size_t>(G * Tq));
   float* drow = ws.get<float>(Workspace::kBwdRowDot, static_cast<size_t>(G * Tq));
   float* rowvec = ws.get<float>(Workspace::kBwdRowStats, 2 * mmax);  // per q block: lse and D of its rows
+  float* vstage = kWide ? nullptr : ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1));
+  float* qstage = kWide ? nullptr : ws.get<float>(Workspace::kQueryStage, mmax * D);
+  float* dostage = kWide ? nullptr : ws.get<float>(Workspace::kBwdGradOutStage, mmax * std::max<size_t>(Dv, 1));
   std::fill(dq, dq + static_cast<size_t>(G * Tq) * Dp, 0.0f);
 
   // Per row of the task: the forward's LSE and D = rowsum(dO ⊙ O).
   for (int64_t gg = 0; gg < G; ++gg) {
     const int64_t h = hk * G + gg;
     for (int64_t i = 0; i < Tq; ++i) {
-      const float* o = static_cast<const float*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-      const float* go = g.grad_out + b * g.grad_out_stride[0] + h * g.grad_out_stride[1] + i * g.grad_out_stride[2];
+      const int64_t o = b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+      const int64_t go = b * g.grad_out_stride[0] + h * g.grad_out_stride[1] + i * g.grad_out_stride[2];
       double acc = 0;
-      for (size_t c = 0; c < Dv; ++c)
-        acc += static_cast<double>(o[static_cast<int64_t>(c) * p.out_stride[3]]) * go[static_cast<int64_t>(c) * g.grad_out_stride[3]];
+      for (size_t c = 0; c < Dv; ++c) {
+        const int64_t cc = static_cast<int64_t>(c);
+        acc += static_cast<double>(load_element(p.out, o + cc * p.out_stride[3], p.dtype)) *
+               load_element(g.grad_out, go + cc * g.grad_out_stride[3], p.dtype);
+      }
       drow[gg * Tq + i] = static_cast<float>(acc);
       const float l = p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]];
       lse[gg * Tq + i] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l;
     }
   }
 
-  const float* kbase = static_cast<const float*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
-  const float* vbase = static_cast<const float*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  const T* kbase = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* vbase = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  const T* qsrc = static_cast<const T*>(p.q);
+  const T* dosrc = static_cast<const T*>(g.grad_out);
   const Dropout drop(p.dropout_p, p.dropout_seed);
   const auto log2e = hn::Set(d, kLog2e);
 
@@ -158,8 +172,13 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
     std::fill(dk, dk + kKeyBlock * Dp, 0.0f);
     std::fill(dv, dv + kKeyBlock * Dvp, 0.0f);
     for (size_t j = 0; j < nk; ++j) {  // K rows of the block, padded: the dQ product loads them
-      const float* krow = kbase + (jb + static_cast<int64_t>(j)) * p.k_stride[2];
-      for (size_t c = 0; c < Dp; ++c) kblk[j * Dp + c] = c < D ? krow[static_cast<int64_t>(c) * p.k_stride[3]] : 0.0f;
+      float* kr = kblk + j * Dp;
+      RowToFloat(kbase + (jb + static_cast<int64_t>(j)) * p.k_stride[2], p.k_stride[3], D, kr);
+      std::fill(kr + D, kr + Dp, 0.0f);
+    }
+    if constexpr (!kWide) {  // V rows of the block, widened (K's are in kblk)
+      StageRows(vbase + jb * p.v_stride[2], p.v_stride[2], p.v_stride[3], 0, static_cast<int64_t>(nk),
+                static_cast<int64_t>(nk) - 1, p.head_dim_v, vstage);
     }
     bool touched = false;
     for (int64_t qb = 0; qb < plan.q_blocks; ++qb) {
@@ -169,10 +188,10 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       if (k.kind == BlockKind::kSkip) continue;
       touched = true;
       const size_t M = t.mpad;
-      PackTransposed(d, t, static_cast<const float*>(p.q), p.q_stride, p.head_dim_qk, p.scale, qt, nullptr);
-      PackTransposed(d, t, g.grad_out, g.grad_out_stride, p.head_dim_v, 1.0f, dot, nullptr);
-      PackRows(t, static_cast<const float*>(p.q), p.q_stride, p.head_dim_qk, Dp, qrows);
-      PackRows(t, g.grad_out, g.grad_out_stride, p.head_dim_v, Dvp, dorows);
+      PackTransposed(d, t, qsrc, p.q_stride, p.head_dim_qk, p.scale, qt, qstage);
+      PackTransposed(d, t, dosrc, g.grad_out_stride, p.head_dim_v, 1.0f, dot, dostage);
+      PackRows(t, qsrc, p.q_stride, p.head_dim_qk, Dp, qrows);
+      PackRows(t, dosrc, g.grad_out_stride, p.head_dim_v, Dvp, dorows);
       float* lse_r = rowvec;
       float* d_r = rowvec + M;
       for (size_t r = 0; r < M; ++r) {
@@ -182,14 +201,19 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       }
 
       // S and P, exactly as the forward's weights pass.
-      if (p.k_stride[3] == 1) {
+      const int64_t kb = k.a - jb;  // the block's first key in kblk / vstage
+      if constexpr (!kWide) {
+        ScoresBlock<true>(d, qt, M, t.nvec, kblk, static_cast<int64_t>(Dp), 1, kb, k.n, static_cast<int64_t>(nk), D, st);
+      } else if (p.k_stride[3] == 1) {
         ScoresBlock<true>(d, qt, M, t.nvec, kbase, p.k_stride[2], 1, k.a, k.n, p.kv_len, D, st);
       } else {
         ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
       }
       if (k.kind == BlockKind::kPartial || p.attn_bias) MaskBlock(d, p, t, k, st);
       // dP = V · dOᵀ for the same keys (rows of V past Tk read the last row; their P is 0).
-      if (p.v_stride[3] == 1) {
+      if constexpr (!kWide) {
+        ScoresBlock<true>(d, dot, M, t.nvec, vstage, p.head_dim_v, 1, kb, k.n, static_cast<int64_t>(nk), Dv, dpt);
+      } else if (p.v_stride[3] == 1) {
         ScoresBlock<true>(d, dot, M, t.nvec, vbase, p.v_stride[2], 1, k.a, k.n, p.kv_len, Dv, dpt);
       } else {
         ScoresBlock<false>(d, dot, M, t.nvec, vbase, p.v_stride[2], p.v_stride[3], k.a, k.n, p.kv_len, Dv, dpt);
@@ -232,18 +256,26 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
     }
     // dK = scale · dSᵀQ, dV: every key of the block is written (zeros if no row saw it).
     for (size_t j = 0; j < nk; ++j) {
-      float* gk = g.grad_k + b * g.grad_k_stride[0] + hk * g.grad_k_stride[1] + (jb + static_cast<int64_t>(j)) * g.grad_k_stride[2];
-      float* gv = g.grad_v + b * g.grad_v_stride[0] + hk * g.grad_v_stride[1] + (jb + static_cast<int64_t>(j)) * g.grad_v_stride[2];
-      for (size_t c = 0; c < D; ++c) gk[static_cast<int64_t>(c) * g.grad_k_stride[3]] = touched ? dk[j * Dp + c] * p.scale : 0.0f;
-      for (size_t c = 0; c < Dv; ++c) gv[static_cast<int64_t>(c) * g.grad_v_stride[3]] = touched ? dv[j * Dvp + c] : 0.0f;
+      const int64_t key = jb + static_cast<int64_t>(j);
+      const int64_t gk = b * g.grad_k_stride[0] + hk * g.grad_k_stride[1] + key * g.grad_k_stride[2];
+      const int64_t gv = b * g.grad_v_stride[0] + hk * g.grad_v_stride[1] + key * g.grad_v_stride[2];
+      for (size_t c = 0; c < D; ++c) {
+        store_element(g.grad_k, gk + static_cast<int64_t>(c) * g.grad_k_stride[3], touched ? dk[j * Dp + c] * p.scale : 0.0f,
+                      p.dtype);
+      }
+      for (size_t c = 0; c < Dv; ++c) {
+        store_element(g.grad_v, gv + static_cast<int64_t>(c) * g.grad_v_stride[3], touched ? dv[j * Dvp + c] : 0.0f,
+                      p.dtype);
+      }
     }
   }
   for (int64_t gg = 0; gg < G; ++gg) {
     const int64_t h = hk * G + gg;
     for (int64_t i = 0; i < Tq; ++i) {
-      float* gq = g.grad_q + b * g.grad_q_stride[0] + h * g.grad_q_stride[1] + i * g.grad_q_stride[2];
+      const int64_t gq = b * g.grad_q_stride[0] + h * g.grad_q_stride[1] + i * g.grad_q_stride[2];
       const float* src = dq + static_cast<size_t>(gg * Tq + i) * Dp;
-      for (size_t c = 0; c < D; ++c) gq[static_cast<int64_t>(c) * g.grad_q_stride[3]] = src[c] * p.scale;
+      for (size_t c = 0; c < D; ++c)
+        store_element(g.grad_q, gq + static_cast<int64_t>(c) * g.grad_q_stride[3], src[c] * p.scale, p.dtype);
     }
   }
 }
@@ -252,7 +284,14 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
 
 void FlashBackward(const AttentionParams& p, const AttentionGradParams& g, int num_threads) {
   const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
-  parallel_for(p.batch * p.kv_heads, num_threads, [&](int64_t t) { BackwardTask(p, g, plan, t / p.kv_heads, t % p.kv_heads); });
+  auto run = [&](auto task) {
+    parallel_for(p.batch * p.kv_heads, num_threads, [&](int64_t t) { task(p, g, plan, t / p.kv_heads, t % p.kv_heads); });
+  };
+  switch (p.dtype) {
+    case DType::kBF16: run(BackwardTask<bfloat16>); break;
+    case DType::kF16: run(BackwardTask<float16>); break;
+    default: run(BackwardTask<float>); break;
+  }
 }
 
 }  // namespace mha::kernels::HWY_NAMESPACE

@@ -28,7 +28,7 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
         return static_cast<Acc>(static_cast<const float*>(p.q)[b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2] + d * p.q_stride[3]]);
       };
       auto dO = [&](int64_t d) {
-        return static_cast<Acc>(g.grad_out[b * g.grad_out_stride[0] + h * g.grad_out_stride[1] +
+        return static_cast<Acc>(static_cast<const float*>(g.grad_out)[b * g.grad_out_stride[0] + h * g.grad_out_stride[1] +
                                            i * g.grad_out_stride[2] + d * g.grad_out_stride[3]]);
       };
       // Recompute the probabilities as the forward does.
@@ -80,13 +80,13 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
           dk[j * D + d] += ds * Q(d);
         }
       }
-      float* gq = g.grad_q + b * g.grad_q_stride[0] + h * g.grad_q_stride[1] + i * g.grad_q_stride[2];
+      float* gq = static_cast<float*>(g.grad_q) + b * g.grad_q_stride[0] + h * g.grad_q_stride[1] + i * g.grad_q_stride[2];
       for (int64_t d = 0; d < D; ++d) gq[d * g.grad_q_stride[3]] = static_cast<float>(dq[d]);
     }
   }
   for (int64_t j = 0; j < Tk; ++j) {
-    float* gk = g.grad_k + b * g.grad_k_stride[0] + hk * g.grad_k_stride[1] + j * g.grad_k_stride[2];
-    float* gv = g.grad_v + b * g.grad_v_stride[0] + hk * g.grad_v_stride[1] + j * g.grad_v_stride[2];
+    float* gk = static_cast<float*>(g.grad_k) + b * g.grad_k_stride[0] + hk * g.grad_k_stride[1] + j * g.grad_k_stride[2];
+    float* gv = static_cast<float*>(g.grad_v) + b * g.grad_v_stride[0] + hk * g.grad_v_stride[1] + j * g.grad_v_stride[2];
     for (int64_t d = 0; d < D; ++d) gk[d * g.grad_k_stride[3]] = static_cast<float>(dk[j * D + d]);
     for (int64_t d = 0; d < Dv; ++d) gv[d * g.grad_v_stride[3]] = static_cast<float>(dv[j * Dv + d]);
   }

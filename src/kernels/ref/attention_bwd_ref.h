@@ -16,11 +16,12 @@
 
 namespace mha::kernels {
 
+// Elements of the AttentionParams' dtype (the reference backward takes float32 only).
 struct AttentionGradParams {
-  const float* grad_out = nullptr;  Strides4 grad_out_stride{};  // dO (B, Hq, Tq, Dv)
-  float* grad_q = nullptr;          Strides4 grad_q_stride{};    // (B, Hq, Tq, Dqk)
-  float* grad_k = nullptr;          Strides4 grad_k_stride{};    // (B, Hkv, Tk, Dqk)
-  float* grad_v = nullptr;          Strides4 grad_v_stride{};    // (B, Hkv, Tk, Dv)
+  const void* grad_out = nullptr;  Strides4 grad_out_stride{};  // dO (B, Hq, Tq, Dv)
+  void* grad_q = nullptr;          Strides4 grad_q_stride{};    // (B, Hq, Tq, Dqk)
+  void* grad_k = nullptr;          Strides4 grad_k_stride{};    // (B, Hkv, Tk, Dqk)
+  void* grad_v = nullptr;          Strides4 grad_v_stride{};    // (B, Hkv, Tk, Dv)
 };
 
 // Writes dQ for the query heads of kv head hk and dK, dV of (b, hk). Single-threaded.
