@@ -43,10 +43,11 @@ int run_info() {
   for (const auto& t : kernels::simd_targets()) targets += (targets.empty() ? "" : ", ") + t;
   fmt::print("simd targets:      {} (compiled in and supported here, best first)\n", targets);
   fmt::print("attention forward: {}\n", kernels::flash_forward_name());
+  fmt::print("element types:     float32; bfloat16 and float16 widened to float32 as read, results rounded once\n");
   fmt::print("reference:         attention_ref_f64 (Backend::kReference)\n");
   const dnnl_version_t* v = dnnl_version();
-  fmt::print("projections:       oneDNN {}.{}.{} sgemm ({} threads by default)\n", v->major, v->minor, v->patch,
-             resolve_threads(0));
+  fmt::print("projections:       oneDNN {}.{}.{} sgemm; bfloat16 modules: its bf16 matmul ({} threads by default)\n",
+             v->major, v->minor, v->patch, resolve_threads(0));
   return 0;
 }
 
