@@ -143,22 +143,25 @@ def torch_module_pair(dt, seed, **kwargs):
 
 @pytest.mark.parametrize("dt", list(UNIT))
 @pytest.mark.parametrize("padding", [False, True])
-def test_module_from_torch_in_its_dtype(dt, padding):
-    t16, t64 = torch_module_pair(dt, 11)
+@pytest.mark.parametrize("layout", [{}, {"bias": False}, {"kdim": 20, "vdim": 36}])
+def test_module_from_torch_in_its_dtype(dt, padding, layout):
+    t16, t64 = torch_module_pair(dt, 11, **layout)
     m = mha.MultiheadAttention.from_torch(t16)
     assert m.dtype == NAME[dt]
     g = torch.Generator().manual_seed(12)
-    q, kv = torch.randn(3, 17, 48, generator=g).to(dt), torch.randn(3, 23, 48, generator=g).to(dt)
+    q = torch.randn(3, 17, 48, generator=g).to(dt)
+    k = torch.randn(3, 23, layout.get("kdim", 48), generator=g).to(dt)
+    v = torch.randn(3, 23, layout.get("vdim", 48), generator=g).to(dt)
     kpm = None
     if padding:
         kpm = torch.zeros(3, 23, dtype=torch.bool)
         kpm[0, 20:] = True
         kpm[2, 5:] = True
-    y, w = m(q, kv, kv, key_padding_mask=kpm)
+    y, w = m(q, k, v, key_padding_mask=kpm)
     assert y.dtype == dt and w.dtype == dt
     with torch.no_grad():
-        y64, w64 = t64(q.double(), kv.double(), kv.double(), key_padding_mask=kpm)
-        y16, w16 = t16(q, kv, kv, key_padding_mask=kpm)
+        y64, w64 = t64(q.double(), k.double(), v.double(), key_padding_mask=kpm)
+        y16, w16 = t16(q, k, v, key_padding_mask=kpm)
     within(y, y64, y16, dt, "module out")
     within(w, w64, w16, dt, "module weights")
 
