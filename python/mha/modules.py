@@ -117,11 +117,13 @@ class MultiheadAttention:
         (batch_first, dropout, kdim/vdim, training mode); another module (such as the seeds')
         is read through from_state_dict: pass num_heads unless the module has an attribute
         for it, and causal/max_seq_len/batch_first as it behaves. The dtype follows the module's
-        parameters (float32, bfloat16 or float16) unless dtype= is given."""
+        parameters (bfloat16 and float16 stay, anything else becomes float32) unless dtype= is given."""
         torch = A.torch_module()
         if "dtype" not in kwargs:
+            # A bfloat16/float16 module stays 16-bit; float64 weights convert to float32, as before.
             params = list(module.parameters())
-            kwargs["dtype"] = params[0].dtype if params else None
+            dtype = params[0].dtype if params else None
+            kwargs["dtype"] = dtype if dtype in (torch.bfloat16, torch.float16) else None
         if torch is not None and isinstance(module, torch.nn.MultiheadAttention):
             if module.bias_k is not None or module.add_zero_attn:
                 raise Error("MultiheadAttention.from_torch: add_bias_kv and add_zero_attn are not supported by mha")

@@ -204,3 +204,11 @@ def test_sixteen_bit_kv_cache(dt):
     assert 0 < err <= 8 * UNIT[dt]
     with pytest.raises(mha.Error, match="dtype must be"):
         m.make_cache(1, dtype="int8")
+
+
+def test_from_torch_keeps_sixteen_bit_and_widens_float64():
+    t = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    assert mha.MultiheadAttention.from_torch(t.double()).dtype == "float32"
+    assert mha.MultiheadAttention.from_torch(t.bfloat16()).dtype == "bfloat16"
+    assert mha.MultiheadAttention.from_torch(t.half()).dtype == "float16"
+    assert mha.MultiheadAttention.from_torch(t.half(), dtype=torch.float32).dtype == "float32"
