@@ -30,3 +30,9 @@ print(type(mha.scaled_dot_product_attention(a, a, a)).__name__)
 q.requires_grad_(True)
 mha.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 print("grad:", tuple(q.grad.shape))
+
+# bfloat16 and float16: the same calls; computed in float32, results rounded once to the dtype.
+qb, kb, vb = (x.detach().bfloat16() for x in (q, k, v))
+print(mha.scaled_dot_product_attention(qb, kb, vb, is_causal=True).dtype)   # torch.bfloat16
+half = mha.MultiheadAttention.from_torch(layer.bfloat16())                  # bf16 weights
+print(half(x.bfloat16(), x.bfloat16(), x.bfloat16())[0].dtype)

@@ -17,3 +17,4 @@ def test_python_example_runs_and_is_in_the_readme():
     assert float(lines[0].split(":")[1]) < 1e-5
     assert float(lines[1].split(":")[1]) < 1e-4
     assert lines[2] == "ndarray"
+    assert lines[-2:] == ["torch.bfloat16", "torch.bfloat16"]
