@@ -103,6 +103,8 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
                 v.shape[3] == c.head_dim_v,
             "KvCache::append: values must be (B, Hkv, n, Dv) = ({}, {}, {}, {}); got {}", c.batch, c.kv_heads,
             k.shape[2], c.head_dim_v, shape_string(v));
+  MHA_CHECK((k.numel() == 0 || k.data) && (v.numel() == 0 || v.data), "KvCache::append: keys {} or values {} have a "
+            "null data pointer", shape_string(k), shape_string(v));
   const int64_t n = k.shape[2];
   MHA_CHECK(counts.empty() || static_cast<int64_t>(counts.size()) == c.batch,
             "KvCache::append: {} counts for a batch of {}", counts.size(), c.batch);
