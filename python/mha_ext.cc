@@ -98,6 +98,9 @@ View<T> optional_view(const std::optional<A>& a, const char* name) {
 // bits as uint16, which the Python layer views as torch.bfloat16.
 nb::ndarray<nb::numpy> to_numpy(Tensor&& t) {
   if (!t.defined()) throw Error("internal: returning an undefined tensor");
+  if (t.dtype() != DType::kF32 && t.dtype() != DType::kF16 && t.dtype() != DType::kBF16) {
+    throw Error(std::string("internal: returning a tensor of dtype ") + dtype_name(t.dtype()));
+  }
   auto* owner = new Tensor(std::move(t));
   nb::capsule deleter(owner, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
   std::vector<size_t> shape(owner->shape().begin(), owner->shape().end());

@@ -51,7 +51,8 @@ void attend_cache(const MultiHeadAttentionConfig& c, const modules::QkvHeads& he
     out16 = Tensor(DTypeOf<T>::value, {B, out.shape[1], n, dv});
     o = out16.view<T>();
   }
-  const BasicAttentionOutputs<T> ao{o};
+  BasicAttentionOutputs<T> ao;
+  ao.out = o;
   Tensor lengths(DType::kI64, {B});
   std::vector<int64_t> offsets(static_cast<size_t>(B));
 
@@ -179,29 +180,25 @@ MhaOutputs MultiHeadAttention::step_impl(const View<const T>& x, KvCache& cache,
 
   // One GEMM for the new positions' q, k and v.
   const int64_t N = checked_mul(B, n, "MultiHeadAttention::step: rows B·n");
-  const int64_t Hkv = c.num_kv_heads, dqk = head_dim_qk(), dv = head_dim_v();
+  const int64_t dv = head_dim_v();
   const modules::InputRows xr = modules::input_rows(x);
   Tensor qkv(DType::kF32, {N, d.rows[0] + d.rows[1] + d.rows[2]});
   project_qkv(xr.data, N, qkv.data<float>(), options);
   const modules::Layout l{B, n, batch_first};
   const modules::QkvHeads heads = modules::qkv_heads(c, qkv.data<float>(), nullptr, nullptr, l, l);
-  const View<float>& qh = heads.q;
-  const View<float>& kh = heads.k;
-  const View<float>& vh = heads.v;
 
   const int64_t out_width = output_dim();
   const std::vector<int64_t> out_shape = output_shape(B, n);
   Tensor merged = c.out_proj ? Tensor(DType::kF32, {N, c.v_proj_dim}) : Tensor(DType::kF32, out_shape);
-  AttentionOutputs ao;
-  ao.out = modules::heads_view(merged.data<float>(), l, c.v_proj_dim, c.num_heads, dv);
+  const View<float> attn_out = modules::heads_view(merged.data<float>(), l, c.v_proj_dim, c.num_heads, dv);
   AttentionOptions opt;
   opt.num_threads = options.num_threads;
   opt.backend = options.backend;
 
   switch (cache.config().dtype) {
-    case DType::kBF16: attend_cache<bfloat16>(c, heads, counts, cache, ao.out, opt); break;
-    case DType::kF16: attend_cache<float16>(c, heads, counts, cache, ao.out, opt); break;
-    default: attend_cache<float>(c, heads, counts, cache, ao.out, opt); break;
+    case DType::kBF16: attend_cache<bfloat16>(c, heads, counts, cache, attn_out, opt); break;
+    case DType::kF16: attend_cache<float16>(c, heads, counts, cache, attn_out, opt); break;
+    default: attend_cache<float>(c, heads, counts, cache, attn_out, opt); break;
   }
 
   // Rows past new_tokens[b] are padding: zeros.
