@@ -12,7 +12,7 @@ namespace mha {
 
 namespace {
 
-// x (B, H, n, D) with contiguous rows, rounded to T (a copy; float: a view of x itself).
+// x (B, H, n, D) with contiguous rows, rounded to T (a contiguous copy; float: copied as is).
 template <typename T>
 Tensor rounded_heads(const View<float>& x) {
   Tensor t(DTypeOf<T>::value, {x.shape[0], x.shape[1], x.shape[2], x.shape[3]});
@@ -144,8 +144,8 @@ MhaOutputs MultiHeadAttention::step(const View<const float16>& x, KvCache& cache
   return step_impl(x, cache, new_tokens, options);
 }
 
-// T: x's element type, the module's dtype. Projections, the cache and attention are float32;
-// the output is rounded once to T.
+// T: x's element type, the module's dtype. Projections are float32; attention runs in the
+// cache's dtype (attend_cache); the output is rounded once to T.
 template <typename T>
 MhaOutputs MultiHeadAttention::step_impl(const View<const T>& x, KvCache& cache, const std::vector<int64_t>& new_tokens,
                                          const MhaCallOptions& options) const {
