@@ -1,5 +1,6 @@
 // attention_backward(): argument checks, then the reference or the fast kernel.
 #include <new>
+#include <type_traits>
 
 #include "kernels/cpu/flash.h"
 #include "kernels/ref/attention_bwd_ref.h"
@@ -17,55 +18,12 @@ kernels::Strides4 strides(const View<T>& v) {
   return {v.stride[0], v.stride[1], v.stride[2], v.stride[3]};
 }
 
-void check_like(const View<float>& g, const View<const float>& like, const char* name, const char* of) {
+template <typename T>
+void check_like(const View<T>& g, const View<const T>& like, const char* name, const char* of) {
   MHA_CHECK(g.rank == 4 && g.shape == like.shape, "attention_backward: {} must have the shape of {} {}; got {}", name,
             of, shape_string(like), shape_string(g));
   MHA_CHECK(g.numel() == 0 || g.data, "attention_backward: {} has a null data pointer", name);
 }
-
-}  // namespace
-
-void attention_backward(const AttentionInputs& in, const View<const float>& out, const View<const float>& lse,
-                        const View<const float>& grad_out, const AttentionInputGrads& grads,
-                        const AttentionOptions& options) {
-  MHA_CHECK(out.given() && lse.given(), "attention_backward: needs the forward's out and lse; got out {}, lse {}",
-            shape_string(out), shape_string(lse));
-  // The forward's checks, with out and lse in their places (they are only read here).
-  AttentionOutputs fwd;
-  fwd.out.data = const_cast<float*>(out.data);
-  fwd.out.rank = out.rank, fwd.out.shape = out.shape, fwd.out.stride = out.stride;
-  fwd.lse.data = const_cast<float*>(lse.data);
-  fwd.lse.rank = lse.rank, fwd.lse.shape = lse.shape, fwd.lse.stride = lse.stride;
-  const kernels::AttentionParams p = ops::make_attention_params(in, fwd, options);
-  MHA_CHECK(grad_out.rank == 4 && grad_out.shape == out.shape,
-            "attention_backward: grad_out must have the shape of out {}; got {}", shape_string(out),
-            shape_string(grad_out));
-  check_like(grads.grad_query, in.query, "grad_query", "query");
-  check_like(grads.grad_key, in.key, "grad_key", "key");
-  check_like(grads.grad_value, in.value, "grad_value", "value");
-  kernels::AttentionGradParams g;
-  g.grad_out = grad_out.data;
-  g.grad_out_stride = strides(grad_out);
-  g.grad_q = grads.grad_query.data;
-  g.grad_q_stride = strides(grads.grad_query);
-  g.grad_k = grads.grad_key.data;
-  g.grad_k_stride = strides(grads.grad_key);
-  g.grad_v = grads.grad_value.data;
-  g.grad_v_stride = strides(grads.grad_value);
-  try {
-    if (options.backend == Backend::kReference) {
-      parallel_for(p.batch * p.kv_heads, options.num_threads, [&](int64_t t) {
-        kernels::attention_bwd_ref_head<double>(p, g, t / p.kv_heads, t % p.kv_heads);
-      });
-      return;
-    }
-    kernels::flash_backward(p, g, options.num_threads);
-  } catch (const std::bad_alloc&) {
-    throw Error("attention_backward: out of memory for scratch buffers (query " + shape_string(in.query) + ")");
-  }
-}
-
-namespace {
 
 // A contiguous float32 copy of a rank-4 view of 16-bit elements.
 template <typename T>
@@ -102,20 +60,13 @@ void narrow(const Tensor& src, const View<T>& dst, int num_threads) {
   });
 }
 
+// Every element type: the forward's checks with out and lse in their places (only read here)
+// and the gradients' checks, then the fast kernel (16-bit arguments widened as read, gradients
+// rounded once) or the reference — float32 only, so 16-bit arguments reach it as widened copies
+// and its gradients are rounded once.
 template <typename T>
-void check_like16(const View<T>& g, const View<const T>& like, const char* name, const char* of) {
-  MHA_CHECK(g.rank == 4 && g.shape == like.shape, "attention_backward: {} must have the shape of {} {}; got {}", name,
-            of, shape_string(like), shape_string(g));
-  MHA_CHECK(g.numel() == 0 || g.data, "attention_backward: {} has a null data pointer", name);
-}
-
-// The 16-bit backward: every check of the forward and of the gradients on the caller's views,
-// then the fast kernel reading the 16-bit arguments directly (widened as read, gradients rounded
-// once), or, on the reference backend, the float32 reference on widened copies, rounded once.
-template <typename T>
-void backward16(const BasicAttentionInputs<T>& in, const View<const T>& out, const View<const float>& lse,
-                const View<const T>& grad_out, const BasicAttentionInputGrads<T>& grads,
-                const AttentionOptions& options) {
+void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const View<const float>& lse,
+              const View<const T>& grad_out, const BasicAttentionInputGrads<T>& grads, const AttentionOptions& options) {
   MHA_CHECK(out.given() && lse.given(), "attention_backward: needs the forward's out and lse; got out {}, lse {}",
             shape_string(out), shape_string(lse));
   BasicAttentionOutputs<T> fwd;
@@ -127,34 +78,38 @@ void backward16(const BasicAttentionInputs<T>& in, const View<const T>& out, con
   MHA_CHECK(grad_out.rank == 4 && grad_out.shape == out.shape,
             "attention_backward: grad_out must have the shape of out {}; got {}", shape_string(out),
             shape_string(grad_out));
-  check_like16(grads.grad_query, in.query, "grad_query", "query");
-  check_like16(grads.grad_key, in.key, "grad_key", "key");
-  check_like16(grads.grad_value, in.value, "grad_value", "value");
+  check_like(grads.grad_query, in.query, "grad_query", "query");
+  check_like(grads.grad_key, in.key, "grad_key", "key");
+  check_like(grads.grad_value, in.value, "grad_value", "value");
+  kernels::AttentionGradParams g;
+  g.grad_out = grad_out.data;
+  g.grad_out_stride = strides(grad_out);
+  g.grad_q = grads.grad_query.data;
+  g.grad_q_stride = strides(grads.grad_query);
+  g.grad_k = grads.grad_key.data;
+  g.grad_k_stride = strides(grads.grad_key);
+  g.grad_v = grads.grad_value.data;
+  g.grad_v_stride = strides(grads.grad_value);
   const int n = options.num_threads;
   try {
     if (options.backend != Backend::kReference) {
-      kernels::AttentionGradParams g;
-      g.grad_out = grad_out.data;
-      g.grad_out_stride = strides(grad_out);
-      g.grad_q = grads.grad_query.data;
-      g.grad_q_stride = strides(grads.grad_query);
-      g.grad_k = grads.grad_key.data;
-      g.grad_k_stride = strides(grads.grad_key);
-      g.grad_v = grads.grad_value.data;
-      g.grad_v_stride = strides(grads.grad_value);
       kernels::flash_backward(p, g, n);
-      return;
+    } else if constexpr (std::is_same_v<T, float>) {
+      parallel_for(p.batch * p.kv_heads, n, [&](int64_t t) {
+        kernels::attention_bwd_ref_head<double>(p, g, t / p.kv_heads, t % p.kv_heads);
+      });
+    } else {
+      const Tensor q = widen(in.query, n), k = widen(in.key, n), v = widen(in.value, n);
+      const Tensor o = widen(out, n), go = widen(grad_out, n);
+      Tensor gq(DType::kF32, q.shape()), gk(DType::kF32, k.shape()), gv(DType::kF32, v.shape());
+      const AttentionInputs in32{q.view<float>(), k.view<float>(), v.view<float>(), in.keep_mask, in.attn_bias,
+                                 in.key_lengths};
+      backward<float>(in32, o.view<float>(), lse, go.view<float>(),
+                      {gq.view<float>(), gk.view<float>(), gv.view<float>()}, options);
+      narrow(gq, grads.grad_query, n);
+      narrow(gk, grads.grad_key, n);
+      narrow(gv, grads.grad_value, n);
     }
-    const Tensor q = widen(in.query, n), k = widen(in.key, n), v = widen(in.value, n);
-    const Tensor o = widen(out, n), go = widen(grad_out, n);
-    Tensor gq(DType::kF32, q.shape()), gk(DType::kF32, k.shape()), gv(DType::kF32, v.shape());
-    AttentionInputs in32{q.view<float>(), k.view<float>(), v.view<float>(), in.keep_mask, in.attn_bias,
-                         in.key_lengths};
-    attention_backward(in32, o.view<float>(), lse, go.view<float>(),
-                       {gq.view<float>(), gk.view<float>(), gv.view<float>()}, options);
-    narrow(gq, grads.grad_query, n);
-    narrow(gk, grads.grad_key, n);
-    narrow(gv, grads.grad_value, n);
   } catch (const std::bad_alloc&) {
     throw Error("attention_backward: out of memory for scratch buffers (query " + shape_string(in.query) + ")");
   }
@@ -162,16 +117,22 @@ void backward16(const BasicAttentionInputs<T>& in, const View<const T>& out, con
 
 }  // namespace
 
+void attention_backward(const AttentionInputs& in, const View<const float>& out, const View<const float>& lse,
+                        const View<const float>& grad_out, const AttentionInputGrads& grads,
+                        const AttentionOptions& options) {
+  backward(in, out, lse, grad_out, grads, options);
+}
+
 void attention_backward(const BasicAttentionInputs<bfloat16>& in, const View<const bfloat16>& out,
                         const View<const float>& lse, const View<const bfloat16>& grad_out,
                         const BasicAttentionInputGrads<bfloat16>& grads, const AttentionOptions& options) {
-  backward16(in, out, lse, grad_out, grads, options);
+  backward(in, out, lse, grad_out, grads, options);
 }
 
 void attention_backward(const BasicAttentionInputs<float16>& in, const View<const float16>& out,
                         const View<const float>& lse, const View<const float16>& grad_out,
                         const BasicAttentionInputGrads<float16>& grads, const AttentionOptions& options) {
-  backward16(in, out, lse, grad_out, grads, options);
+  backward(in, out, lse, grad_out, grads, options);
 }
 
 }  // namespace mha

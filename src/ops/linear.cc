@@ -29,6 +29,18 @@ class SingleThreadedBlas {
   int saved_;
 };
 
+// f(m0, n0, m, n) for each kTileRows × kTileCols tile of an M × N output, on the pool: the tiles
+// depend on the shapes alone, so results have the same bits for any thread count.
+template <class F>
+void for_each_tile(int64_t M, int64_t N, int num_threads, const F& f) {
+  const int64_t tiles_m = (M + kTileRows - 1) / kTileRows;
+  const int64_t tiles_n = (N + kTileCols - 1) / kTileCols;
+  parallel_for(tiles_m * tiles_n, num_threads, [&](int64_t t) {
+    const int64_t m0 = (t / tiles_n) * kTileRows, n0 = (t % tiles_n) * kTileCols;
+    f(m0, n0, std::min(kTileRows, M - m0), std::min(kTileCols, N - n0));
+  });
+}
+
 void check_shapes(const RowMatrix& x, const RowMatrix& w) {
   MHA_CHECK(x.cols == w.cols, "linear: input has {} columns but the weight expects {} (weight ({}, {}))",
             x.cols, w.cols, w.rows, w.cols);
@@ -39,11 +51,7 @@ void check_shapes(const RowMatrix& x, const RowMatrix& w) {
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
           int64_t ldb, float beta, float* C, int64_t ldc, int num_threads) {
   if (M == 0 || N == 0) return;
-  const int64_t tiles_m = (M + kTileRows - 1) / kTileRows;
-  const int64_t tiles_n = (N + kTileCols - 1) / kTileCols;
-  parallel_for(tiles_m * tiles_n, num_threads, [&](int64_t t) {
-    const int64_t m0 = (t / tiles_n) * kTileRows, n0 = (t % tiles_n) * kTileCols;
-    const int64_t m = std::min(kTileRows, M - m0), n = std::min(kTileCols, N - n0);
+  for_each_tile(M, N, num_threads, [&](int64_t m0, int64_t n0, int64_t m, int64_t n) {
     float* c = C + m0 * ldc + n0;
     if (K == 0) {
       for (int64_t r = 0; r < m; ++r)
@@ -108,11 +116,7 @@ void linear_bf16(Bf16RowMatrix x, Bf16RowMatrix w, const float* bias, float* y, 
   if (M == 0 || N == 0) return;
   using dt = dnnl::memory::data_type;
   static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  const int64_t tiles_m = (M + kTileRows - 1) / kTileRows;
-  const int64_t tiles_n = (N + kTileCols - 1) / kTileCols;
-  parallel_for(tiles_m * tiles_n, num_threads, [&](int64_t t) {
-    const int64_t m0 = (t / tiles_n) * kTileRows, n0 = (t % tiles_n) * kTileCols;
-    const int64_t m = std::min(kTileRows, M - m0), n = std::min(kTileCols, N - n0);
+  for_each_tile(M, N, num_threads, [&](int64_t m0, int64_t n0, int64_t m, int64_t n) {
     float* c = y + m0 * ldy + n0;
     if (K > 0) {
       SingleThreadedBlas single;  // before the primitive is made: oneDNN sizes its blocking by the threads
