@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
 #endif
   if (decode) {
     mha::bench::run_decode(o, peer);
+    mha::bench::run_cache_types(o);
     return 0;
   }
   const double peak = mha::bench::measure_peak_gflops(o.threads);

@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "mha/attention.h"
+#include "mha/kv_cache.h"
 #include "mha/multi_head_attention.h"
 
 namespace mha::bench {
@@ -220,6 +221,69 @@ void run_decode(const Options& o, const Peer* peer) {
       csv << "decode," << c.name << "," << c.bytes() / (1 << 20) << "," << c.L << "," << times[i].first << "," << gb
           << "," << 100 * gb / read << "," << times[i].second << "," << (times[i].second > 0 ? c.bytes() / times[i].second / 1e9 : 0)
           << "," << (times[i].second > 0 ? times[i].second / times[i].first : 0) << "\n";
+  }
+}
+
+namespace {
+
+// One decoding step (32 query heads, one new token) over a KvCache of `type` holding L
+// positions of GQA 32/8, D = 128: attend() reads the cache in its stored format.
+double time_cache_decode(CacheType type, int64_t L, int threads, double seconds, int64_t* bytes) {
+  KvCacheConfig c;
+  c.kv_heads = 8;
+  c.head_dim_qk = c.head_dim_v = 128;
+  c.capacity = L;
+  c.dtype = type;
+  KvCache cache(c);
+  Tensor k(DType::kF32, {1, 8, L, 128}), v(DType::kF32, {1, 8, L, 128});
+  uint64_t x = 12345;  // values in [-1, 1): quantization sees ordinary data
+  for (Tensor* t : {&k, &v})
+    for (int64_t i = 0; i < t->numel(); ++i) {
+      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      t->data<float>()[i] = static_cast<float>(static_cast<double>(x >> 40) / (1 << 23) - 1.0);
+    }
+  cache.append(k.view<float>(), v.view<float>());
+  *bytes = cache.nbytes();
+  const Tensor q = filled({1, 32, 1, 128}, 0.5f);
+  Tensor out(DType::kF32, {1, 32, 1, 128});
+  AttentionOptions opt;
+  opt.num_threads = threads;
+  return time_calls([&] { attend(q.view<float>(), cache, out.view<float>(), opt); }, seconds);
+}
+
+}  // namespace
+
+void run_cache_types(const Options& o) {
+  const Bandwidth bw = measure_bandwidth(o.threads);
+  const CacheType types[] = {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8, CacheType::kInt4};
+  struct Row {
+    int64_t L;
+    CacheType type;
+    double seconds;
+    int64_t bytes;
+  };
+  std::vector<Row> rows;
+  for (int64_t mib : {16, 256}) {
+    const int64_t L = mib * (1 << 20) / (8 * 2 * 128 * 4);  // the float32 cache's size sets L
+    for (CacheType t : types) {
+      std::fprintf(stderr, "cache %s, L = %ld ...\n", cache_type_name(t), static_cast<long>(L));
+      int64_t bytes = 0;
+      const double s = time_cache_decode(t, L, o.threads, o.seconds, &bytes);
+      rows.push_back({L, t, s, bytes});
+    }
+  }
+  const Bandwidth after = measure_bandwidth(o.threads);
+  const double read = std::max(bw.read, after.read);
+  fmt::print("\nthreads {}, measured read bandwidth {:.1f} GB/s; decode step over a KvCache, GQA 32/8, D = 128\n",
+             o.threads, read);
+  fmt::print("{:<9} {:>7} {:>10} {:>10} {:>8} {:>7} {:>8}\n", "cache", "L", "MiB read", "ms", "GB/s", "% read",
+             "× fp32");
+  double f32 = 0;
+  for (const Row& r : rows) {
+    if (r.type == CacheType::kF32) f32 = r.seconds;
+    const double gb = static_cast<double>(r.bytes) / r.seconds / 1e9;
+    fmt::print("{:<9} {:>7} {:>10.1f} {:>10.3f} {:>8.1f} {:>6.1f}% {:>7.2f}x\n", cache_type_name(r.type), r.L,
+               static_cast<double>(r.bytes) / (1 << 20), r.seconds * 1e3, gb, 100 * gb / read, r.seconds / f32);
   }
 }
 

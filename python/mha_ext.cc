@@ -117,6 +117,12 @@ DType dtype_of(const std::string& name) {
   throw Error("dtype must be 'float32', 'bfloat16' or 'float16'; got '" + name + "'");
 }
 
+CacheType cache_type_of(const std::string& name) {
+  for (CacheType t : {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8, CacheType::kInt4})
+    if (name == cache_type_name(t)) return t;
+  throw Error("make_cache: dtype must be 'float32', 'bfloat16', 'float16', 'int8' or 'int4'; got '" + name + "'");
+}
+
 const char* dtype_label(DType t) {
   return t == DType::kBF16 ? "bfloat16" : t == DType::kF16 ? "float16" : "float32";
 }
@@ -330,7 +336,7 @@ NB_MODULE(_mha, m) {
            nb::arg("b").none())
       .def_prop_ro("capacity", &KvCache::capacity)
       .def_prop_ro("batch", [](const KvCache& c) { return c.config().batch; })
-      .def_prop_ro("dtype", [](const KvCache& c) { return std::string(dtype_label(c.config().dtype)); })
+      .def_prop_ro("dtype", [](const KvCache& c) { return std::string(cache_type_name(c.config().dtype)); })
       .def_prop_ro("nbytes", &KvCache::nbytes)
       .def("reset", &KvCache::reset);
 
@@ -454,7 +460,7 @@ NB_MODULE(_mha, m) {
       .def(
           "make_cache",
           [](const PyMha& self, int64_t batch, int64_t capacity, const std::string& dtype) {
-            return self.m.make_cache(batch, capacity, dtype_of(dtype));
+            return self.m.make_cache(batch, capacity, cache_type_of(dtype));
           },
           nb::arg("batch"), nb::arg("capacity") = 0, nb::arg("dtype") = "float32")
       .def(

@@ -16,6 +16,8 @@ double unit_roundoff(DType t) { return t == DType::kBF16 ? 1.0 / 256 : 1.0 / 204
 
 class KvCacheHalf : public ::testing::TestWithParam<DType> {};
 
+CacheType cache_type(DType t) { return t == DType::kBF16 ? CacheType::kBF16 : CacheType::kF16; }
+
 std::string dtype_param(const ::testing::TestParamInfo<DType>& info) { return dtype_name(info.param); }
 
 TEST_P(KvCacheHalf, AppendRoundsAndViewsAreTyped) {
@@ -25,7 +27,7 @@ TEST_P(KvCacheHalf, AppendRoundsAndViewsAreTyped) {
   c.head_dim_qk = 5;
   c.head_dim_v = 3;
   c.capacity = 1;  // grows twice below
-  c.dtype = GetParam();
+  c.dtype = cache_type(GetParam());
   KvCache cache(c);
   Rng rng(base_seed() + 400);
   const Tensor k = random_tensor(rng, {2, 2, 3, 5}), v = random_tensor(rng, {2, 2, 3, 3});
@@ -47,10 +49,11 @@ TEST_P(KvCacheHalf, AppendRoundsAndViewsAreTyped) {
     check(float16{});
   }
   EXPECT_EQ(cache.nbytes(), 2 * 2 * cache.capacity() * (5 + 3) * 2);
-  expect_error([&] { cache.keys(); }, {"keys", dtype_name(GetParam()), "F32"});
-  expect_error([&] { cache.values<float>(); }, {"values", dtype_name(GetParam())});
-  c.dtype = DType::kI8;
-  expect_error([&] { KvCache bad(c); }, {"dtype", "I8"});
+  expect_error([&] { cache.keys(); }, {"keys", cache_type_name(c.dtype), "F32"});
+  expect_error([&] { cache.values<float>(); }, {"values", cache_type_name(c.dtype)});
+  expect_error([&] { cache.key_codes(); }, {"key_codes", cache_type_name(c.dtype), "int8 or int4"});
+  c.dtype = static_cast<CacheType>(9);
+  expect_error([&] { KvCache bad(c); }, {"dtype", "value 9"});
 }
 
 // Decoding through step() from a 16-bit cache against the same steps from a float32 cache:
@@ -65,7 +68,7 @@ void expect_close_to_f32_cache(const MultiHeadAttentionConfig& cfg, DType cache_
   int64_t T = 0;
   for (int64_t n : chunks) T += n;
   const Tensor x = random_tensor(rng, {2, T, cfg.embed_dim});
-  KvCache c32 = m.make_cache(2, 2), c16 = m.make_cache(2, 2, cache_dtype);
+  KvCache c32 = m.make_cache(2, 2), c16 = m.make_cache(2, 2, cache_type(cache_dtype));
   int64_t t = 0;
   double worst = 0;
   for (int64_t n : chunks) {
@@ -101,7 +104,7 @@ TEST_P(KvCacheHalf, SixteenBitModuleWithSixteenBitCache) {
   MultiHeadAttention m(c, 5);
   Rng rng(base_seed() + 402);
   const Tensor x = random_tensor(rng, {1, 9, 32}).converted(GetParam());
-  KvCache cache = m.make_cache(1, 0, GetParam());
+  KvCache cache = m.make_cache(1, 0, cache_type(GetParam()));
   const Tensor full = GetParam() == DType::kBF16 ? m.step(x.view<bfloat16>(), cache).output
                                                  : m.step(x.view<float16>(), cache).output;
   EXPECT_EQ(full.dtype(), GetParam());

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 
 #include "test_util.h"
 #include "tiny_gpt/reverse_task.h"
@@ -83,11 +84,32 @@ TEST(TrainExample, SameLossBitsForOneAndTwoThreads) {
 
 TEST(TrainExample, LearnsToReverseSequences) {
   examples::ReverseTaskOptions o;  // 8 digits, batch 32, Adam 3e-3, seed 1
-  const examples::ReverseTaskReport r = examples::train_reverse_task(o);
+  std::unique_ptr<examples::TinyGpt> model;
+  const examples::ReverseTaskReport r = examples::train_reverse_task(o, {}, &model);
   std::printf("reverse task: %.2f%% token accuracy, %.0f%% sequences, %ld steps, %.1f s\n", 100 * r.token_accuracy,
               100 * r.sequence_accuracy, static_cast<long>(r.steps), r.seconds);
   EXPECT_GE(r.token_accuracy, 0.99);
   EXPECT_GE(r.sequence_accuracy, 0.9);
+
+  // The trained model decodes from quantized KV caches: int8 gives the float32 cache's greedy
+  // tokens on every sequence; int4's agreement is reported (docs/numerics.md).
+  ASSERT_TRUE(model);
+  Rng rng(base_seed() + 700);
+  const int sequences = 100;
+  int right = 0, same8 = 0, same4 = 0;
+  for (int s = 0; s < sequences; ++s) {
+    std::vector<int32_t> prompt;
+    for (int64_t i = 0; i < o.length; ++i) prompt.push_back(static_cast<int32_t>(rng.range(0, o.digits - 1)));
+    const std::vector<int32_t> digits = prompt;
+    prompt.push_back(static_cast<int32_t>(o.digits));  // SEP
+    const auto f32 = model->generate(prompt, o.length);
+    right += std::equal(f32.begin(), f32.end(), digits.rbegin());
+    same8 += model->generate(prompt, o.length, nullptr, nullptr, CacheType::kInt8) == f32;
+    same4 += model->generate(prompt, o.length, nullptr, nullptr, CacheType::kInt4) == f32;
+  }
+  std::printf("greedy decoding of %d sequences: float32 cache %d right; int8 cache %d, int4 cache %d the same\n",
+              sequences, right, same8, same4);
+  EXPECT_EQ(same8, sequences);
 }
 
 }  // namespace

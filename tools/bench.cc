@@ -26,6 +26,7 @@ int run_bench(const BenchArgs& args) {
   }
   if (args.decode) {
     bench::run_decode(o, nullptr);
+    bench::run_cache_types(o);
     return 0;
   }
   if (args.memory) {

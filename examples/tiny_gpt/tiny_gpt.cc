@@ -313,9 +313,10 @@ Tensor TinyGpt::forward(const std::vector<int32_t>& tokens, int64_t B, int64_t T
 }
 
 std::vector<int32_t> TinyGpt::generate(const std::vector<int32_t>& prompt, int64_t n, double* prefill_seconds,
-                                       double* decode_seconds) const {
+                                       double* decode_seconds, CacheType cache_type) const {
   std::vector<KvCache> caches;
-  for (const Block& blk : blocks_) caches.push_back(blk.attn.make_cache(1, static_cast<int64_t>(prompt.size()) + n));
+  for (const Block& blk : blocks_)
+    caches.push_back(blk.attn.make_cache(1, static_cast<int64_t>(prompt.size()) + n, cache_type));
   auto argmax_last = [&](const Tensor& lg) {
     const float* row = lg.data<float>() + (lg.shape()[0] - 1) * config_.vocab;
     return static_cast<int32_t>(std::max_element(row, row + config_.vocab) - row);

@@ -8,15 +8,38 @@
 // With window = W > 0 (sliding-window attention) the cache keeps only the last W positions of
 // each sequence in a ring buffer of W slots: position p lives in slot p mod W, and a query at
 // position P sees the positions P-W+1 .. P (itself and the W-1 before it).
+//
+// Storage types (CacheType): float32, bfloat16 and float16 store each value; int8 and int4
+// quantize each row (one position of one kv head) in groups of kCacheQuantGroup = 32
+// consecutive values with a float32 scale and minimum per group:
+//   value = minimum + scale · code,  code in [0, 2^bits − 1],
+//   minimum = min(group), scale = (max(group) − min(group)) / (2^bits − 1), code rounded to nearest.
+// Rows are padded with zero codes to a multiple of 32 values. int4 packs two codes per byte:
+// in each group's 16 bytes, byte i holds value i (low nibble) and value i + 16 (high nibble).
+// Keys are divided by per-channel scales first (key = channel_scale · value above): powers of
+// two fixed by each sequence's first append, one shared by the channels of ordinary size and
+// one per outlier channel (the few channels of real keys that are many times larger), so that
+// an outlier does not coarsen its group. Attention multiplies them into the query instead.
+// A group holding a NaN or an infinity stores NaN for all 32 values (its scale is NaN).
+// Error bounds: docs/numerics.md ("KV cache storage").
 #ifndef MHA_KV_CACHE_H_
 #define MHA_KV_CACHE_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
+#include "mha/attention.h"
 #include "mha/tensor.h"
 
 namespace mha {
+
+// What a KvCache stores keys and values as.
+enum class CacheType : uint8_t { kF32, kBF16, kF16, kInt8, kInt4 };
+// "float32", "bfloat16", "float16", "int8", "int4".
+const char* cache_type_name(CacheType type);
+// Values per quantization group of the int8 and int4 caches.
+constexpr int64_t kCacheQuantGroup = 32;
 
 struct KvCacheConfig {
   int64_t batch = 1;
@@ -25,10 +48,12 @@ struct KvCacheConfig {
   int64_t head_dim_v = 0;
   int64_t capacity = 0;  // initial slots per sequence (grown by doubling); 0: 16
   int64_t window = 0;    // 0: keep every position; else a ring of the last `window` positions
-  // Storage type of keys and values: kF32, kBF16 or kF16. 16-bit caches hold half the bytes
-  // (decoding reads half as much); append() rounds to them (nearest even), and attention over
-  // the cache reads them widened to float32 (the query is rounded to the cache's type first).
-  DType dtype = DType::kF32;
+  // Storage type of keys and values. 16-bit caches hold half the bytes (decoding reads half as
+  // much); append() rounds to them (nearest even), and attention over the cache reads them
+  // widened to float32 (the query is rounded to the cache's type first). int8 and int4 caches
+  // hold 1.25 and 0.75 bytes per value (codes + group scales, see above); append() quantizes,
+  // and attention reads the codes and dequantizes them in registers (float32 queries).
+  CacheType dtype = CacheType::kF32;
 };
 
 class KvCache {
@@ -49,31 +74,66 @@ class KvCache {
   // as needed; windowed caches keep the last `window` positions.
   void append(const View<const float>& k, const View<const float>& v, const std::vector<int64_t>& counts = {});
 
-  // The storage as (B, Hkv, capacity, D) views of the cache's dtype: T must be that type (float
-  // for the default), else an mha::Error.
+  // The storage of a float32/bfloat16/float16 cache as (B, Hkv, capacity, D) views: T must be
+  // its element type (float for the default), else an mha::Error.
   template <typename T = float>
   View<const T> keys() const {
-    check_dtype(DTypeOf<T>::value, "keys");
+    check_element_type(DTypeOf<T>::value, "keys");
     return k_.view<T>();
   }
   template <typename T = float>
   View<const T> values() const {
-    check_dtype(DTypeOf<T>::value, "values");
+    check_element_type(DTypeOf<T>::value, "values");
     return v_.view<T>();
   }
-  // Bytes of key and value storage (capacity slots).
-  int64_t nbytes() const { return static_cast<int64_t>(k_.nbytes() + v_.nbytes()); }
+  // The storage of an int8/int4 cache (an mha::Error for other types): codes (B, Hkv, capacity,
+  // row bytes) and (scale, minimum) pairs (B, Hkv, capacity, 2 · groups), groups = ⌈D / 32⌉.
+  View<const uint8_t> key_codes() const;
+  View<const uint8_t> value_codes() const;
+  View<const float> key_scales() const;
+  View<const float> value_scales() const;
+  // (B, Hkv, Dk): the key channel scales (1 until a sequence's first append).
+  View<const float> key_channel_scales() const;
+  // Keys and values as float32 (B, Hkv, capacity, D) copies, whatever the storage type
+  // (dequantized or widened); slots holding no position are zeros.
+  Tensor keys_as_float() const;
+  Tensor values_as_float() const;
+  // k and v (B, Hkv, n, D) as append(k, v, counts) would store them now (rounded, or quantized
+  // with this cache's key channel scales), read back as float32 (B, Hkv, ≥ n, D) copies; the
+  // cache is unchanged.
+  std::pair<Tensor, Tensor> as_stored(const View<const float>& k, const View<const float>& v,
+                                      const std::vector<int64_t>& counts = {}) const;
+  bool quantized() const { return config_.dtype == CacheType::kInt8 || config_.dtype == CacheType::kInt4; }
+  // Bytes of key and value storage (capacity slots, with the group scales).
+  int64_t nbytes() const;
 
  private:
   void reserve(int64_t slots);
   void check_sequence(int64_t b, const char* accessor) const;
-  void check_dtype(DType wanted, const char* accessor) const;
+  void check_element_type(DType wanted, const char* accessor) const;
+  void check_quantized(const char* accessor) const;
+  Tensor as_float(const Tensor& data, const Tensor& scales, const Tensor& channels, int64_t width) const;
 
   KvCacheConfig config_;
   int64_t capacity_ = 0;
-  Tensor k_, v_;
+  // Per (b, h, slot) rows: values (or codes) of keys and values, and for quantized caches their
+  // group scales; undefined tensors where unused.
+  Tensor k_, v_, k_scales_, v_scales_;
+  Tensor k_channels_;  // quantized caches: (B, Hkv, Dk) key channel scales
+  std::vector<uint8_t> channels_fixed_;  // per sequence: its key channel scales are set
   std::vector<int64_t> length_;
 };
+
+// Attention of float32 queries q (B, Hq, n, Dk), Hq a multiple of the cache's kv heads, over the
+// positions `cache` holds, into out (B, Hq, n, Dv): what MultiHeadAttention::step does after
+// appending. Query i of sequence b is position length(b) − n + i and sees every kept position
+// up to itself (causal, bottom-right aligned); a windowed cache takes n = 1 (its ring then holds
+// exactly the query's window). 16-bit caches round the queries to their type; int8/int4 caches
+// are read in their stored format (dequantized in registers) for up to 16 query rows per kv
+// head, else dequantized to float32 first. options: scale, num_threads and backend (causal,
+// window and dropout_p must be unset). Any violated shape is an mha::Error.
+void attend(const View<const float>& q, const KvCache& cache, const View<float>& out,
+            const AttentionOptions& options = {});
 
 }  // namespace mha
 

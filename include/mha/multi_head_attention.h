@@ -190,14 +190,14 @@ class MultiHeadAttention {
   // Thread safety: one cache per thread.
   MhaOutputs step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens = {},
                  const MhaCallOptions& options = {}) const;
-  // 16-bit modules: x of the module's dtype; the cache holds float32 keys and values.
+  // 16-bit modules: x of the module's dtype; the cache may store any CacheType.
   MhaOutputs step(const View<const bfloat16>& x, KvCache& cache, const std::vector<int64_t>& new_tokens = {},
                   const MhaCallOptions& options = {}) const;
   MhaOutputs step(const View<const float16>& x, KvCache& cache, const std::vector<int64_t>& new_tokens = {},
                   const MhaCallOptions& options = {}) const;
   // A cache for this module's kv heads and head dims, with config().window, storing keys and
-  // values as `dtype` (kF32, kBF16 or kF16; see KvCacheConfig::dtype) whatever the module's.
-  KvCache make_cache(int64_t batch, int64_t capacity = 0, DType dtype = DType::kF32) const;
+  // values as `dtype` (see KvCacheConfig::dtype) whatever the module's.
+  KvCache make_cache(int64_t batch, int64_t capacity = 0, CacheType dtype = CacheType::kF32) const;
 
   const MultiHeadAttentionConfig& config() const { return config_; }
   int64_t head_dim_qk() const { return config_.qk_proj_dim / config_.num_heads; }

@@ -289,10 +289,19 @@ class MultiheadAttention:
     def make_cache(self, batch, capacity=0, dtype=None):
         """A KV cache for step(): this module's kv heads and head dims. dtype: how keys and values
         are stored — float32 (default), bfloat16 or float16 (torch/numpy dtypes or names): half
-        the bytes, rounded once when appended; the queries are rounded to it for attention."""
+        the bytes, rounded once when appended, the queries rounded to it for attention; "int8" or
+        "int4" (or torch.int8): quantized per group of 32 values with a scale and minimum each
+        (1.25 and 0.75 bytes per value; docs/numerics.md has the error), float32 queries."""
+        name = "float32" if dtype is None else str(dtype).replace("torch.", "")
+        if name not in ("int8", "int4"):
+            try:
+                name = _dtype_name(dtype)
+            except Error:
+                raise Error("MultiheadAttention.make_cache: dtype must be float32, bfloat16, float16, int8 or "
+                            f"int4; got {dtype}") from None
         return self._m.make_cache(A.check_int(batch, "MultiheadAttention.make_cache: batch", 0, 2**63 - 1),
                                   A.check_int(capacity, "MultiheadAttention.make_cache: capacity", 0, 2**63 - 1),
-                                  dtype=_dtype_name(dtype))
+                                  dtype=name)
 
     def step(self, x, cache, new_tokens=None):
         """Incremental self-attention: x holds the newest positions (N, n, E) (or (n, N, E) when

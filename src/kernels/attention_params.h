@@ -27,6 +27,16 @@ struct AttentionParams {
   const void* k = nullptr;  Strides4 k_stride{};   // (B, Hkv, Tk, Dqk)
   const void* v = nullptr;  Strides4 v_stride{};   // (B, Hkv, Tk, Dv)
 
+  // Internal (int8/int4 KV caches, decode kernel only): with kv_bits = 8 or 4, k and v hold the
+  // cache's codes (uint8_t; k_stride/v_stride count bytes, a row padded to whole groups) and
+  // k_scales/v_scales its (scale, minimum) float pairs per group of kCacheQuantGroup values
+  // (strides in floats over (batch, head, row)); q and out stay of `dtype`. See kv_cache.h.
+  int kv_bits = 0;
+  const float* k_scales = nullptr;  Strides4 k_scale_stride{};
+  const float* v_scales = nullptr;  Strides4 v_scale_stride{};
+  // Key channel scales (B, Hkv, Dqk), strides (batch, head, channel): the stored keys are
+  // divided by them, so the query is multiplied by them.
+  const float* k_channel_scales = nullptr;  Strides4 k_channel_stride{};
   const uint8_t* keep = nullptr;  Strides4 keep_stride{};  // nonzero = attend
   const float* attn_bias = nullptr;  Strides4 attn_bias_stride{};
   const int64_t* key_lengths = nullptr;  int64_t key_lengths_stride = 0;

@@ -29,7 +29,7 @@ class Workspace {
     kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,
     // Decoding (flash_decode.cc).
-    kDecodeQuery, kDecodeZeroRow, kDecodeScores, kDecodeRescale, kDecodeLo, kDecodeHi, kDecodeMerge,
+    kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeLo, kDecodeHi, kDecodeMerge,
     kDecodeOut, kDecodeMax, kDecodeSum,
     kSlots
   };

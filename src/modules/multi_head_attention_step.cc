@@ -1,6 +1,7 @@
 // MultiHeadAttention decoding: a KvCache per stream, step() for prefill and one token at a time.
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 
 #include "mha/multi_head_attention.h"
 #include "modules/multi_head_attention_internal.h"
@@ -14,7 +15,7 @@ namespace {
 
 // x (B, H, n, D) with contiguous rows, rounded to T (a contiguous copy; float: copied as is).
 template <typename T>
-Tensor rounded_heads(const View<float>& x) {
+Tensor rounded_heads(const View<const float>& x) {
   Tensor t(DTypeOf<T>::value, {x.shape[0], x.shape[1], x.shape[2], x.shape[3]});
   T* dst = t.data<T>();
   for (int64_t b = 0; b < x.shape[0]; ++b)
@@ -27,99 +28,156 @@ Tensor rounded_heads(const View<float>& x) {
   return t;
 }
 
-// The new positions' attention over the cache — appending their keys and values — into `out`
-// (float32 heads of the merged rows). T is the cache's element type: a 16-bit cache attends in
-// T (the queries rounded to it, as ggml does for its f16 caches) and its result is widened into
-// out; float32 attends in place.
+// Float32 query heads and output heads as T, the type attention over a cache runs in: for a
+// 16-bit T the queries rounded to it (as ggml does for its f16 caches) and an output of T that
+// finish() widens into the float32 output; for float the views themselves.
 template <typename T>
-void attend_cache(const MultiHeadAttentionConfig& c, const modules::QkvHeads& heads, const std::vector<int64_t>& counts,
-                  KvCache& cache, const View<float>& out, AttentionOptions opt) {
-  constexpr bool kF32 = std::is_same_v<T, float>;
-  const int64_t B = out.shape[0], n = out.shape[2], Hkv = c.num_kv_heads;
-  const int64_t dqk = heads.q.shape[3], dv = out.shape[3];
-  const View<float>& kh = heads.k;
-  const View<float>& vh = heads.v;
+struct HeadsAs {
+  HeadsAs(const View<const float>& qf, const View<float>& of) : out(of) {
+    if constexpr (std::is_same_v<T, float>) {
+      q = qf;
+      o = of;
+    } else {
+      q16 = rounded_heads<T>(qf);
+      q = q16.view<T>();
+      out16 = Tensor(DTypeOf<T>::value, {of.shape[0], of.shape[1], of.shape[2], of.shape[3]});
+      o = out16.view<T>();
+    }
+  }
+  void finish() const {
+    if constexpr (!std::is_same_v<T, float>) {
+      const T* src = out16.data<T>();
+      for (int64_t b = 0; b < out.shape[0]; ++b)
+        for (int64_t h = 0; h < out.shape[1]; ++h)
+          for (int64_t i = 0; i < out.shape[2]; ++i) {
+            widen_to_f32(src, DTypeOf<T>::value, out.data + b * out.stride[0] + h * out.stride[1] + i * out.stride[2],
+                         out.shape[3]);
+            src += out.shape[3];
+          }
+    }
+  }
   Tensor q16, out16;
   View<const T> q;
   View<T> o;
-  if constexpr (kF32) {
-    q = heads.q;
-    o = out;
-  } else {
-    q16 = rounded_heads<T>(heads.q);
-    q = q16.view<T>();
-    out16 = Tensor(DTypeOf<T>::value, {B, out.shape[1], n, dv});
-    o = out16.view<T>();
+  View<float> out;
+};
+
+// The cache's keys and values as views of T: its storage, or for an int8/int4 cache (T = float)
+// dequantized copies kept in `hold`.
+template <typename T>
+std::pair<View<const T>, View<const T>> stored_kv(const KvCache& cache, Tensor (&hold)[2]) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cache.quantized()) {
+      hold[0] = cache.keys_as_float();
+      hold[1] = cache.values_as_float();
+      return {hold[0].view<float>(), hold[1].view<float>()};
+    }
   }
-  BasicAttentionOutputs<T> ao;
-  ao.out = o;
+  return {cache.keys<T>(), cache.values<T>()};
+}
+
+// New keys and values k, v (B, Hkv, n, D) as `cache` would store them, as T: rounded to the
+// cache's 16-bit type, or quantized and dequantized (int8/int4; T = float).
+template <typename T>
+std::pair<Tensor, Tensor> as_stored(const View<const float>& k, const View<const float>& v,
+                                    const std::vector<int64_t>& counts, const KvCache& cache) {
+  if (cache.quantized()) return cache.as_stored(k, v, counts);
+  return {rounded_heads<T>(k), rounded_heads<T>(v)};
+}
+
+// attend() in T (the cache's element type; float for float32, int8 and int4 caches). counts[b]:
+// the real queries of sequence b (its newest positions; rows past them are padding), or nullptr
+// for all n.
+template <typename T>
+void attend_stored(const View<const float>& q, const KvCache& cache, const View<float>& out, AttentionOptions opt,
+                   const int64_t* counts) {
+  const int64_t B = q.shape[0], n = q.shape[2];
+  const bool windowed = cache.config().window > 0;
   Tensor lengths(DType::kI64, {B});
   std::vector<int64_t> offsets(static_cast<size_t>(B));
-
-  const bool windowed = c.window > 0;
-  bool single = true;  // one new position per sequence: a windowed ring then holds exactly what it sees
-  for (int64_t b = 0; b < B; ++b) single &= counts[b] == 1;
-  if (!windowed || single) {
-    // Append first, then attend to the cache.
-    cache.append(kh, vh, counts);
-    for (int64_t b = 0; b < B; ++b) {
-      lengths.data<int64_t>()[b] = cache.stored(b);
-      offsets[b] = cache.length(b) - counts[b];  // query i sits at position length - count + i
-    }
-    const BasicAttentionInputs<T> ai{q, cache.keys<T>(), cache.values<T>(), {}, {}, lengths.view<int64_t>()};
-    if (windowed) {
-      attention(ai, ao, opt);  // the ring holds exactly the window: every stored key is visible
-    } else {
-      opt.causal = Causal::kBottomRight;
-      ops::attention_with_offsets(ai, ao, opt, offsets.data());
-    }
-  } else {
-    // A windowed chunk: its first query needs up to window-1 positions before the chunk, which
-    // the chunk's own append could overwrite in the ring. Gather them, in position order,
-    // followed by the chunk's keys (rounded to the cache's type, as appending stores them);
-    // attend; then append.
-    const int64_t before = c.window - 1, span = before + n;
-    Tensor kt(DTypeOf<T>::value, {B, Hkv, span, dqk}), vt(DTypeOf<T>::value, {B, Hkv, span, dv});
-    const View<const T> ck = cache.keys<T>(), cv = cache.values<T>();
-    const Tensor kn = rounded_heads<T>(kh), vn = rounded_heads<T>(vh);
-    const View<const T> knv = kn.view<T>(), vnv = vn.view<T>();
-    const View<T> ktv = kt.view<T>(), vtv = vt.view<T>();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t L0 = cache.length(b), kept = std::min(L0, before);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        for (int64_t t = 0; t < kept; ++t) {
-          const int64_t slot = (L0 - kept + t) % c.window;
-          for (int64_t e = 0; e < dqk; ++e) ktv.at(b, h, t, e) = ck.at(b, h, slot, e);
-          for (int64_t e = 0; e < dv; ++e) vtv.at(b, h, t, e) = cv.at(b, h, slot, e);
-        }
-        for (int64_t t = 0; t < counts[b]; ++t) {
-          for (int64_t e = 0; e < dqk; ++e) ktv.at(b, h, kept + t, e) = knv.at(b, h, t, e);
-          for (int64_t e = 0; e < dv; ++e) vtv.at(b, h, kept + t, e) = vnv.at(b, h, t, e);
-        }
-      }
-      lengths.data<int64_t>()[b] = kept + counts[b];
-      offsets[b] = kept;
-    }
-    opt.causal = Causal::kBottomRight;
-    opt.window = c.window;
-    const BasicAttentionInputs<T> ai{q, kt.view<T>(), vt.view<T>(), {}, {}, lengths.view<int64_t>()};
-    ops::attention_with_offsets(ai, ao, opt, offsets.data());
-    cache.append(kh, vh, counts);
+  for (int64_t b = 0; b < B; ++b) {
+    lengths.data<int64_t>()[b] = cache.stored(b);
+    offsets[b] = cache.length(b) - (counts ? counts[b] : n);  // query i sits at position offset + i
   }
-  if constexpr (!kF32) {  // widen the result into the float32 merged rows
-    const T* src = out16.data<T>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < out.shape[1]; ++h)
-        for (int64_t i = 0; i < n; ++i) {
-          widen_to_f32(src, DTypeOf<T>::value, out.data + b * out.stride[0] + h * out.stride[1] + i * out.stride[2], dv);
-          src += dv;
-        }
+  // A windowed ring holds exactly the window of its one query: every stored key is visible.
+  const int64_t* causal_offset = windowed ? nullptr : offsets.data();
+  if constexpr (std::is_same_v<T, float>) {
+    if (cache.quantized() && ops::attention_over_quantized_cache(q, cache, out, opt, causal_offset)) return;
+  }
+  Tensor hold[2];
+  const auto [ck, cv] = stored_kv<T>(cache, hold);
+  const HeadsAs<T> io(q, out);
+  BasicAttentionOutputs<T> ao;
+  ao.out = io.o;
+  const BasicAttentionInputs<T> ai{io.q, ck, cv, {}, {}, lengths.view<int64_t>()};
+  if (windowed) {
+    attention(ai, ao, opt);
+  } else {
+    opt.causal = Causal::kBottomRight;
+    ops::attention_with_offsets(ai, ao, opt, causal_offset);
+  }
+  io.finish();
+}
+
+// A windowed chunk (some sequence gets more than one position): its first query needs up to
+// window-1 positions before the chunk, which the chunk's own append could overwrite in the ring.
+// Gather them, in position order, followed by the chunk's keys (as the cache stores them);
+// attend; then append. T as in attend_stored.
+template <typename T>
+void attend_window_chunk(const View<const float>& q, const View<const float>& kh, const View<const float>& vh,
+                         const std::vector<int64_t>& counts, KvCache& cache, const View<float>& out,
+                         AttentionOptions opt) {
+  const KvCacheConfig& c = cache.config();
+  const int64_t B = q.shape[0], n = q.shape[2], Hkv = c.kv_heads, dqk = c.head_dim_qk, dv = c.head_dim_v;
+  const int64_t before = c.window - 1, span = before + n;
+  Tensor kt(DTypeOf<T>::value, {B, Hkv, span, dqk}), vt(DTypeOf<T>::value, {B, Hkv, span, dv});
+  Tensor hold[2];
+  const auto [ck, cv] = stored_kv<T>(cache, hold);
+  const auto [kn, vn] = as_stored<T>(kh, vh, counts, cache);
+  const View<const T> knv = kn.template view<T>(), vnv = vn.template view<T>();
+  const View<T> ktv = kt.view<T>(), vtv = vt.view<T>();
+  Tensor lengths(DType::kI64, {B});
+  std::vector<int64_t> offsets(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L0 = cache.length(b), kept = std::min(L0, before);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t t = 0; t < kept; ++t) {
+        const int64_t slot = (L0 - kept + t) % c.window;
+        for (int64_t e = 0; e < dqk; ++e) ktv.at(b, h, t, e) = ck.at(b, h, slot, e);
+        for (int64_t e = 0; e < dv; ++e) vtv.at(b, h, t, e) = cv.at(b, h, slot, e);
+      }
+      for (int64_t t = 0; t < counts[b]; ++t) {
+        for (int64_t e = 0; e < dqk; ++e) ktv.at(b, h, kept + t, e) = knv.at(b, h, t, e);
+        for (int64_t e = 0; e < dv; ++e) vtv.at(b, h, kept + t, e) = vnv.at(b, h, t, e);
+      }
+    }
+    lengths.data<int64_t>()[b] = kept + counts[b];
+    offsets[b] = kept;
+  }
+  opt.causal = Causal::kBottomRight;
+  opt.window = c.window;
+  const HeadsAs<T> io(q, out);
+  BasicAttentionOutputs<T> ao;
+  ao.out = io.o;
+  const BasicAttentionInputs<T> ai{io.q, kt.view<T>(), vt.view<T>(), {}, {}, lengths.view<int64_t>()};
+  ops::attention_with_offsets(ai, ao, opt, offsets.data());
+  io.finish();
+  cache.append(kh, vh, counts);
+}
+
+// Runs f with the element type attention over `cache` runs in.
+template <class F>
+void with_cache_type(const KvCache& cache, const F& f) {
+  switch (cache.config().dtype) {
+    case CacheType::kBF16: f(bfloat16{}); break;
+    case CacheType::kF16: f(float16{}); break;
+    default: f(0.0f); break;
   }
 }
 
 }  // namespace
 
-KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dtype) const {
+KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, CacheType dtype) const {
   KvCacheConfig k;
   k.batch = batch;
   k.kv_heads = config_.num_kv_heads;
@@ -129,6 +187,30 @@ KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, DType dt
   k.window = config_.window;
   k.dtype = dtype;
   return KvCache(k);
+}
+
+void attend(const View<const float>& q, const KvCache& cache, const View<float>& out, const AttentionOptions& options) {
+  const KvCacheConfig& c = cache.config();
+  MHA_CHECK(q.rank == 4 && q.shape[0] == c.batch && q.shape[1] > 0 && q.shape[1] % c.kv_heads == 0 &&
+                q.shape[3] == c.head_dim_qk,
+            "attend: query must be (B, Hq, n, Dk) with B = {}, Hq a multiple of kv_heads = {}, Dk = {}; got {}",
+            c.batch, c.kv_heads, c.head_dim_qk, shape_string(q));
+  MHA_CHECK(out.rank == 4 && out.shape[0] == q.shape[0] && out.shape[1] == q.shape[1] && out.shape[2] == q.shape[2] &&
+                out.shape[3] == c.head_dim_v,
+            "attend: out must be (B, Hq, n, Dv) = ({}, {}, {}, {}); got {}", q.shape[0], q.shape[1], q.shape[2],
+            c.head_dim_v, shape_string(out));
+  MHA_CHECK((q.numel() == 0 || q.data) && (out.numel() == 0 || out.data),
+            "attend: query {} or out {} has a null data pointer", shape_string(q), shape_string(out));
+  MHA_CHECK(options.causal == Causal::kNone && options.window == 0 && options.dropout_p == 0.0f,
+            "attend: causal masking and the window come from the cache; options.causal, window and dropout_p must "
+            "be unset");
+  const int64_t n = q.shape[2];
+  MHA_CHECK(c.window == 0 || n <= 1, "attend: a windowed cache takes one query per sequence; got {} (use "
+            "MultiHeadAttention::step for chunks)", n);
+  for (int64_t b = 0; b < c.batch; ++b)
+    MHA_CHECK(cache.length(b) >= n, "attend: sequence {} holds {} positions, fewer than the {} queries", b,
+              cache.length(b), n);
+  with_cache_type(cache, [&](auto tag) { attend_stored<decltype(tag)>(q, cache, out, options, nullptr); });
 }
 
 MhaOutputs MultiHeadAttention::step(const View<const float>& x, KvCache& cache, const std::vector<int64_t>& new_tokens,
@@ -195,11 +277,18 @@ MhaOutputs MultiHeadAttention::step_impl(const View<const T>& x, KvCache& cache,
   opt.num_threads = options.num_threads;
   opt.backend = options.backend;
 
-  switch (cache.config().dtype) {
-    case DType::kBF16: attend_cache<bfloat16>(c, heads, counts, cache, attn_out, opt); break;
-    case DType::kF16: attend_cache<float16>(c, heads, counts, cache, attn_out, opt); break;
-    default: attend_cache<float>(c, heads, counts, cache, attn_out, opt); break;
-  }
+  // The new positions' attention over the cache, appending their keys and values.
+  bool single = true;  // one new position per sequence: a windowed ring then holds exactly what it sees
+  for (int64_t b = 0; b < B; ++b) single &= counts[b] == 1;
+  with_cache_type(cache, [&](auto tag) {
+    using E = decltype(tag);
+    if (c.window > 0 && !single) {
+      attend_window_chunk<E>(heads.q, heads.k, heads.v, counts, cache, attn_out, opt);
+    } else {
+      cache.append(heads.k, heads.v, counts);
+      attend_stored<E>(heads.q, cache, attn_out, opt, counts.data());
+    }
+  });
 
   // Rows past new_tokens[b] are padding: zeros.
   for (int64_t b = 0; b < B; ++b)

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "mha/attention.h"
+#include "mha/kv_cache.h"
 
 namespace mha::ops {
 
@@ -17,6 +18,14 @@ void attention_with_offsets(const BasicAttentionInputs<bfloat16>& in, const Basi
                             const AttentionOptions& options, const int64_t* causal_offset);
 void attention_with_offsets(const BasicAttentionInputs<float16>& in, const BasicAttentionOutputs<float16>& out,
                             const AttentionOptions& options, const int64_t* causal_offset);
+
+// Attention of float32 queries q (B, Hq, n, Dk) over the positions an int8/int4 cache stores,
+// read in its stored format by the decode kernel, into out (B, Hq, n, Dv); sequence b sees its
+// cache.stored(b) slots. causal_offset: as above (bottom-right masking), or nullptr for none.
+// Returns false, computing nothing, where the decode kernel does not apply (more than
+// kMaxDecodeRows query rows per kv head); the caller then attends over keys_as_float().
+bool attention_over_quantized_cache(const View<const float>& q, const KvCache& cache, const View<float>& out,
+                                    const AttentionOptions& options, const int64_t* causal_offset);
 
 }  // namespace mha::ops
 

@@ -202,8 +202,28 @@ def test_sixteen_bit_kv_cache(dt):
     err = rel_error(b.numpy(), a.numpy())
     record(f"kv cache {NAME[dt]} vs float32 cache", err)
     assert 0 < err <= 8 * UNIT[dt]
-    with pytest.raises(mha.Error, match="dtype must be"):
-        m.make_cache(1, dtype="int8")
+    with pytest.raises(mha.Error, match="dtype must be float32, bfloat16, float16, int8 or int4"):
+        m.make_cache(1, dtype="int3")
+
+
+@pytest.mark.parametrize("dt", ["int8", "int4", torch.int8])
+def test_quantized_kv_cache(dt):
+    """step() from an int8/int4 cache against a float32 cache: the sizes the format promises
+    (codes + a float32 scale and minimum per 32 values) and a bounded error (the C++ suite
+    measures it per decoded row: docs/numerics.md)."""
+    torch.manual_seed(3)
+    m = mha.MultiheadAttention(128, 4, batch_first=True, num_kv_heads=2)  # head dim 32: one group
+    x = torch.randn(2, 12, 128)
+    cq, c32 = m.make_cache(2, dtype=dt), m.make_cache(2)
+    name = "int8" if dt in ("int8", torch.int8) else "int4"
+    assert cq.dtype == name
+    a = torch.cat([m.step(x[:, :6], c32), m.step(x[:, 6:7], c32), m.step(x[:, 7:], c32)], dim=1)
+    b = torch.cat([m.step(x[:, :6], cq), m.step(x[:, 6:7], cq), m.step(x[:, 7:], cq)], dim=1)
+    bits = 8 if name == "int8" else 4
+    assert cq.nbytes == c32.nbytes // (32 * 4) * (32 * bits // 8 + 8)
+    err = rel_error(b.numpy(), a.numpy())
+    record(f"kv cache {name} vs float32 cache", err)
+    assert 0 < err <= (2e-2 if bits == 8 else 0.3)
 
 
 def test_from_torch_keeps_sixteen_bit_and_widens_float64():

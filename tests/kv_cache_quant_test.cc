@@ -1,0 +1,335 @@
+// int8 and int4 KV caches: the stored format is the one kv_cache.h documents; the decode kernel
+// reading the codes gives the same bits as the float32 kernel over their dequantized values (on
+// every SIMD target with FMA; within a derived bound on the portable one); the error against a
+// float32 cache on random and outlier-heavy keys (docs/numerics.md); step() over them.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/flash.h"
+#include "mha/kv_cache.h"
+#include "mha/multi_head_attention.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+int bits_of(CacheType t) { return t == CacheType::kInt8 ? 8 : 4; }
+
+// Value c of row `r` (b, h, slot flattened) of a quantized plane, decoded from the documented
+// format independently of the library.
+double decode(const View<const uint8_t>& codes, const View<const float>& scales, int64_t b, int64_t h, int64_t slot,
+              int64_t c, int bits) {
+  const int64_t g = c / 32, i = c % 32;
+  const uint8_t byte = bits == 8 ? codes.at(b, h, slot, c) : codes.at(b, h, slot, g * 16 + i % 16);
+  const int code = bits == 8 ? byte : i < 16 ? byte & 0xF : byte >> 4;
+  return scales.at(b, h, slot, 2 * g + 1) + static_cast<double>(scales.at(b, h, slot, 2 * g)) * code;
+}
+
+class KvCacheQuant : public ::testing::TestWithParam<CacheType> {};
+
+std::string type_param(const ::testing::TestParamInfo<CacheType>& info) { return cache_type_name(info.param); }
+
+TEST_P(KvCacheQuant, StoresTheDocumentedFormat) {
+  const int bits = bits_of(GetParam());
+  KvCacheConfig c;
+  c.batch = 2;
+  c.kv_heads = 2;
+  c.head_dim_qk = 40;  // a whole group and a partial one
+  c.head_dim_v = 70;
+  c.capacity = 1;  // grows below
+  c.dtype = GetParam();
+  KvCache cache(c);
+  Rng rng(base_seed() + 800);
+  Tensor k = random_tensor(rng, {2, 2, 5, 40}), v = random_tensor(rng, {2, 2, 5, 70});
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t t = 0; t < 5; ++t) k.view<float>().at(b, 1, t, 3) *= 20;  // an outlier channel in head 1
+  cache.append(k.view<float>(), v.view<float>(), {3, 5});
+  cache.append(k.view<float>(), v.view<float>(), {2, 0});
+  ASSERT_EQ(cache.length(0), 5);
+  ASSERT_EQ(cache.length(1), 5);
+  const View<const uint8_t> kc = cache.key_codes(), vc = cache.value_codes();
+  const View<const float> ks = cache.key_scales(), vs = cache.value_scales(), ch = cache.key_channel_scales();
+  EXPECT_EQ(kc.shape[3], 64 * bits / 8);
+  EXPECT_EQ(vc.shape[3], 96 * bits / 8);
+  EXPECT_EQ(ks.shape[3], 4);
+  EXPECT_EQ(vs.shape[3], 6);
+  EXPECT_EQ(cache.nbytes(), 2 * 2 * cache.capacity() * ((64 + 96) * bits / 8 + (4 + 6) * 4));
+  const Tensor kf = cache.keys_as_float(), vf = cache.values_as_float();
+  const int levels = (1 << bits) - 1;
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t h = 0; h < 2; ++h) {
+      float common = ch.at(b, h, 0);  // powers of two; the outlier channel's is its own
+      for (int64_t e = 0; e < 40; ++e) {
+        int exponent = 0;
+        EXPECT_EQ(std::frexp(ch.at(b, h, e), &exponent), 0.5f);
+        common = std::min(common, ch.at(b, h, e));
+      }
+      if (h == 1) EXPECT_GE(ch.at(b, h, 3), 4 * common);
+      for (int64_t slot = 0; slot < 5; ++slot) {
+        // Sequence 0 appended positions 0-2 from rows 0-2 and 3-4 from rows 0-1.
+        const int64_t t = b == 0 && slot >= 3 ? slot - 3 : slot;
+        auto check_row = [&](const View<const uint8_t>& codes, const View<const float>& scales, const Tensor& x,
+                             const Tensor& read, int64_t width, bool keys) {
+          for (int64_t e = 0; e < width; ++e) {
+            const double chs = keys ? ch.at(b, h, e) : 1.0;
+            const double want = x.view<float>().at(b, h, t, e);
+            const double got = decode(codes, scales, b, h, slot, e, bits) * chs;
+            EXPECT_EQ(static_cast<float>(got), read.view<float>().at(b, h, slot, e)) << b << h << slot << e;
+            // Rounded to the nearest code: half a step of the group (plus the float rounding).
+            const double step = scales.at(b, h, slot, 2 * (e / 32)) * chs;
+            EXPECT_LE(std::fabs(got - want), step / 2 + 1e-6 * (std::fabs(want) + step * levels)) << e;
+          }
+          for (int64_t e = width; e < (width + 31) / 32 * 32; ++e) EXPECT_EQ(decode(codes, scales, b, h, slot, e, bits),
+                                                                              scales.at(b, h, slot, 2 * (e / 32) + 1));
+        };
+        check_row(kc, ks, k, kf, 40, true);
+        check_row(vc, vs, v, vf, 70, false);
+      }
+      // Slots past the stored positions read as zeros.
+      for (int64_t slot = 5; slot < cache.capacity(); ++slot) EXPECT_EQ(kf.view<float>().at(b, h, slot, 0), 0.0f);
+    }
+  // The accessors of the other representation are errors.
+  expect_error([&] { cache.keys(); }, {"keys", cache_type_name(GetParam()), "keys_as_float"});
+  expect_error([&] { cache.values<bfloat16>(); }, {"values", cache_type_name(GetParam())});
+  // as_stored: what append would store, without appending.
+  const auto [ak, av] = cache.as_stored(k.view<float>(), v.view<float>());
+  EXPECT_EQ(cache.length(0), 5);
+  cache.append(k.view<float>(), v.view<float>());
+  const Tensor kf2 = cache.keys_as_float();
+  for (int64_t t = 0; t < 5; ++t)
+    for (int64_t e = 0; e < 40; ++e) EXPECT_EQ(ak.view<float>().at(1, 1, t, e), kf2.view<float>().at(1, 1, 5 + t, e));
+}
+
+TEST_P(KvCacheQuant, NonFiniteValuesMakeTheirGroupNaN) {
+  KvCacheConfig c;
+  c.kv_heads = 1;
+  c.head_dim_qk = c.head_dim_v = 64;
+  c.dtype = GetParam();
+  KvCache cache(c);
+  Rng rng(base_seed() + 801);
+  Tensor k = random_tensor(rng, {1, 1, 3, 64}), v = random_tensor(rng, {1, 1, 3, 64});
+  cache.append(k.view<float>(), v.view<float>());  // fixes the channel scales from finite rows
+  k.view<float>().at(0, 0, 1, 5) = std::numeric_limits<float>::infinity();
+  v.view<float>().at(0, 0, 2, 40) = std::nanf("");
+  cache.append(k.view<float>(), v.view<float>());
+  const Tensor kf = cache.keys_as_float(), vf = cache.values_as_float();
+  for (int64_t e = 0; e < 64; ++e) {
+    EXPECT_EQ(std::isnan(kf.view<float>().at(0, 0, 4, e)), e < 32) << e;
+    EXPECT_EQ(std::isnan(vf.view<float>().at(0, 0, 5, e)), e >= 32) << e;
+    EXPECT_TRUE(std::isfinite(kf.view<float>().at(0, 0, 3, e)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, KvCacheQuant, ::testing::Values(CacheType::kInt8, CacheType::kInt4), type_param);
+
+// The decode kernel on the codes against the float32 kernel on the values they stand for (a
+// float32 cache fed as_stored() of the same appends): the same bits where MulAdd is fused (the
+// dequantization then rounds exactly as keys_as_float's fma, and the channel scales are powers
+// of two), else within 64u: each dequantized value then differs by one rounding (u relative),
+// which moves scores and the output by ≤ 8u of their scale, as for the 16-bit caches
+// (docs/numerics.md), with room for the float32 kernel's own rounding.
+struct KernelCase {
+  std::string target;
+  CacheType type;
+};
+
+class QuantDecode : public ::testing::TestWithParam<KernelCase> {
+ protected:
+  void SetUp() override { kernels::force_simd_target(GetParam().target); }
+  void TearDown() override { kernels::force_simd_target(""); }
+};
+
+TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
+  const CacheType type = GetParam().type;
+  const bool fused = GetParam().target.rfind("AVX", 0) == 0;  // x86 targets have FMA
+  Rng rng(base_seed() + 802);
+  for (int trial = 0; trial < 24; ++trial) {
+    KvCacheConfig c;
+    c.batch = rng.range(1, 3);
+    c.kv_heads = rng.range(1, 3);
+    const int64_t G = std::vector<int64_t>{1, 2, 4, 8}[rng.range(0, 3)];
+    c.head_dim_qk = std::vector<int64_t>{8, 40, 64, 72, 128}[rng.range(0, 4)];
+    c.head_dim_v = rng.coin(0.7) ? c.head_dim_qk : rng.range(1, 100);
+    c.window = rng.coin(0.25) ? rng.range(1, 40) : 0;
+    c.capacity = rng.range(0, 8);
+    c.dtype = type;
+    KvCacheConfig fc = c;
+    fc.dtype = CacheType::kF32;
+    KvCache q8(c), f32(fc);
+    const int64_t n = c.window > 0 ? 1 : rng.range(1, std::max<int64_t>(1, 16 / G));
+    const int64_t appends = rng.range(1, 4);
+    for (int64_t a = 0; a < appends; ++a) {
+      const int64_t len = trial % 6 == 0 ? 1500 : rng.range(1, 300);
+      const Tensor k = random_tensor(rng, {c.batch, c.kv_heads, len, c.head_dim_qk});
+      const Tensor v = random_tensor(rng, {c.batch, c.kv_heads, len, c.head_dim_v});
+      std::vector<int64_t> counts(static_cast<size_t>(c.batch));
+      for (auto& x : counts) x = rng.range(a == 0 ? n : 0, len);
+      const auto [ks, vs] = q8.as_stored(k.view<float>(), v.view<float>(), counts);
+      q8.append(k.view<float>(), v.view<float>(), counts);
+      f32.append(ks.view<float>(), vs.view<float>(), counts);
+    }
+    const int64_t Hq = c.kv_heads * G;
+    const Tensor q = random_tensor(rng, {c.batch, Hq, n, c.head_dim_qk});
+    Tensor got(DType::kF32, {c.batch, Hq, n, c.head_dim_v}), want(DType::kF32, {c.batch, Hq, n, c.head_dim_v});
+    Tensor again(DType::kF32, {c.batch, Hq, n, c.head_dim_v});
+    AttentionOptions one, two;
+    one.num_threads = 1;
+    two.num_threads = 2;
+    attend(q.view<float>(), q8, got.view<float>(), two);
+    attend(q.view<float>(), f32, want.view<float>(), two);
+    attend(q.view<float>(), q8, again.view<float>(), one);
+    SCOPED_TRACE("trial " + std::to_string(trial) + " B " + std::to_string(c.batch) + " Hkv " +
+                 std::to_string(c.kv_heads) + " G " + std::to_string(G) + " D " + std::to_string(c.head_dim_qk) +
+                 "/" + std::to_string(c.head_dim_v) + " window " + std::to_string(c.window) + " n " +
+                 std::to_string(n));
+    EXPECT_TRUE(bitwise_equal(got, again));  // any thread count
+    if (fused) {
+      EXPECT_TRUE(bitwise_equal(got, want));
+    } else {
+      EXPECT_LE(rel_error(got.view<float>(), want.view<float>()), 64.0 / (1 << 24));
+    }
+  }
+}
+
+std::vector<KernelCase> kernel_cases() {
+  std::vector<KernelCase> cases;
+  for (const std::string& t : kernels::simd_targets())
+    for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) cases.push_back({t, type});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, QuantDecode, ::testing::ValuesIn(kernel_cases()),
+                         [](const ::testing::TestParamInfo<KernelCase>& info) {
+                           return info.param.target + "_" + cache_type_name(info.param.type);
+                         });
+
+// The error of decoding from a quantized cache against a float32 cache of the same keys and
+// values: GQA 4:1, D = 128, 1024 positions, 64 query rows per case; per-row relative error
+// ‖o − o32‖ / ‖o32‖, its 99th percentile. Keys random, or with 4 outlier channels 20× larger
+// (as real keys have). Bounds: int8 ≤ 1e-2 on random keys (issue 13's target), ≤ 1.5e-2 on
+// outlier-heavy ones (measured 1.2e-2: the target is missed there); int4 ≤ 0.2 / 0.3 (measured
+// 0.14 / 0.22). Without the key channel scales, outlier-heavy keys measured 6.4e-2 (int8) and
+// 1.27 (int4). docs/numerics.md, "KV cache storage".
+double p99_error(CacheType type, bool outliers, uint64_t seed) {
+  KvCacheConfig c;
+  c.batch = 1;
+  c.kv_heads = 2;
+  c.head_dim_qk = c.head_dim_v = 128;
+  const int64_t L = 1024, G = 4;
+  Rng rng(seed);
+  Tensor k = random_tensor(rng, {1, 2, L, 128});
+  const Tensor v = random_tensor(rng, {1, 2, L, 128});
+  if (outliers)
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t t = 0; t < L; ++t)
+        for (int64_t e : {7, 30, 64, 101}) k.view<float>().at(0, h, t, e) *= 20;
+  KvCacheConfig qc = c;
+  qc.dtype = type;
+  KvCache f32(c), quant(qc);
+  f32.append(k.view<float>(), v.view<float>());
+  quant.append(k.view<float>(), v.view<float>());
+  std::vector<double> errors;
+  for (int step = 0; step < 16; ++step) {
+    const Tensor q = random_tensor(rng, {1, 2 * G, 1, 128});
+    Tensor a(DType::kF32, {1, 2 * G, 1, 128}), b(DType::kF32, {1, 2 * G, 1, 128});
+    attend(q.view<float>(), f32, a.view<float>());
+    attend(q.view<float>(), quant, b.view<float>());
+    for (int64_t r = 0; r < 2 * G; ++r) {
+      double num = 0, den = 0;
+      for (int64_t e = 0; e < 128; ++e) {
+        const double x = a.view<float>().at(0, r, 0, e), y = b.view<float>().at(0, r, 0, e);
+        num += (y - x) * (y - x);
+        den += x * x;
+      }
+      errors.push_back(std::sqrt(num / den));
+    }
+  }
+  std::sort(errors.begin(), errors.end());
+  return errors[static_cast<size_t>(0.99 * static_cast<double>(errors.size() - 1))];
+}
+
+TEST(KvCacheQuantAccuracy, AgainstAFloat32Cache) {
+  for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) {
+    for (bool outliers : {false, true}) {
+      const double e = p99_error(type, outliers, base_seed() + 803);
+      std::printf("%s cache, %s keys: p99 relative error %.2e\n", cache_type_name(type),
+                  outliers ? "outlier-heavy" : "random", e);
+      const double bound = type == CacheType::kInt8 ? (outliers ? 1.5e-2 : 1e-2) : (outliers ? 0.3 : 0.2);
+      EXPECT_LE(e, bound);
+    }
+  }
+}
+
+// step() over quantized caches: chunked prefill (more than 16 rows per kv head: the dequantized
+// path) and token by token (the decode kernel) read the same stored values once the first
+// append has fixed the channel scales, so they agree to float32 rounding; windowed chunks too.
+TEST(KvCacheQuantStep, ChunksAndTokensAgree) {
+  for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) {
+    for (int64_t window : {0, 7}) {
+      MultiHeadAttentionConfig cfg;
+      cfg.embed_dim = 64;
+      cfg.num_heads = 4;
+      cfg.num_kv_heads = 2;
+      cfg.causal = Causal::kTopLeft;
+      cfg.window = window;
+      MultiHeadAttention m(cfg, 9);
+      Rng rng(base_seed() + 804);
+      const Tensor x = random_tensor(rng, {1, 40, 64});
+      auto run = [&](const std::vector<int64_t>& chunks) {
+        KvCache cache = m.make_cache(1, 0, type);
+        Tensor y(DType::kF32, {1, 40, 64});
+        int64_t t = 0;
+        for (int64_t n : chunks) {
+          const View<const float> xs(x.data<float>() + t * 64, {1, n, 64});
+          const Tensor o = m.step(xs, cache).output;
+          std::copy(o.data<float>(), o.data<float>() + n * 64, y.data<float>() + t * 64);
+          t += n;
+        }
+        EXPECT_EQ(cache.length(0), 40);
+        return y;
+      };
+      std::vector<int64_t> tokens(34, 1);
+      tokens.insert(tokens.begin(), 6);
+      const Tensor a = run({6, 20, 1, 13}), b = run(tokens);
+      SCOPED_TRACE(std::string(cache_type_name(type)) + " window " + std::to_string(window));
+      EXPECT_LE(rel_error(a.view<float>(), b.view<float>()), 1e-5);
+    }
+  }
+}
+
+TEST(KvCacheQuantStep, AttendChecksItsArguments) {
+  KvCacheConfig c;
+  c.batch = 2;
+  c.kv_heads = 2;
+  c.head_dim_qk = 16;
+  c.head_dim_v = 8;
+  c.dtype = CacheType::kInt8;
+  KvCache cache(c);
+  Rng rng(base_seed() + 805);
+  const Tensor k = random_tensor(rng, {2, 2, 3, 16}), v = random_tensor(rng, {2, 2, 3, 8});
+  cache.append(k.view<float>(), v.view<float>(), {3, 1});
+  Tensor q = random_tensor(rng, {2, 4, 1, 16}), o(DType::kF32, {2, 4, 1, 8});
+  expect_error([&] { attend(random_tensor(rng, {2, 3, 1, 16}).view<float>(), cache, o.view<float>()); },
+               {"attend", "query", "kv_heads = 2", "(2, 3, 1, 16)"});
+  expect_error([&] { attend(q.view<float>(), cache, Tensor(DType::kF32, {2, 4, 1, 9}).view<float>()); },
+               {"attend", "out", "(2, 4, 1, 8)"});
+  Tensor q2 = random_tensor(rng, {2, 4, 2, 16}), o2(DType::kF32, {2, 4, 2, 8});
+  expect_error([&] { attend(q2.view<float>(), cache, o2.view<float>()); }, {"attend", "sequence 1", "1 positions"});
+  AttentionOptions causal;
+  causal.causal = Causal::kTopLeft;
+  expect_error([&] { attend(q.view<float>(), cache, o.view<float>(), causal); }, {"attend", "causal"});
+  expect_error([&] { (void)cache.as_stored(k.view<float>(), random_tensor(rng, {2, 2, 3, 7}).view<float>()); },
+               {"append", "values", "(2, 2, 3, 7)"});
+  KvCacheConfig f = c;
+  f.dtype = CacheType::kBF16;
+  expect_error([&] { KvCache(f).key_codes(); }, {"key_codes", "bfloat16"});
+  attend(q.view<float>(), cache, o.view<float>());  // still usable
+  for (int64_t i = 0; i < o.numel(); ++i) EXPECT_TRUE(std::isfinite(o.data<float>()[i]));
+}
+
+}  // namespace
+}  // namespace mha::test
