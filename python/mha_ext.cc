@@ -18,6 +18,7 @@
 #include "mha/error.h"
 #include "mha/kv_cache.h"
 #include "mha/multi_head_attention.h"
+#include "mha/varlen.h"
 
 namespace nb = nanobind;
 
@@ -235,6 +236,59 @@ void attention_backward_py(const In& q, const In& k, const In& v, const In& out,
   }
 }
 
+// --- varlen_attention -------------------------------------------------------------------------------
+
+template <typename T>
+BasicVarlenInputs<T> varlen_inputs_of(const In& q, const In& k, const In& v, const In& cu_q, const In& cu_k) {
+  return {view_of<const T>(q, "q"), view_of<const T>(k, "k"), view_of<const T>(v, "v"),
+          view_of<const int64_t>(cu_q, "cu_seqlens_q"), view_of<const int64_t>(cu_k, "cu_seqlens_k")};
+}
+
+template <typename T>
+void varlen_typed(const In& q, const In& k, const In& v, const In& cu_q, const In& cu_k, const Out& out,
+                  const Out& lse, const AttentionOptions& opt) {
+  const BasicVarlenInputs<T> in = varlen_inputs_of<T>(q, k, v, cu_q, cu_k);
+  const View<T> o = view_of<T>(out, "out");
+  const View<float> l = view_of<float>(lse, "lse");
+  nb::gil_scoped_release release;
+  varlen_attention(in, o, l, opt);
+}
+
+void varlen_py(const In& q, const In& k, const In& v, const In& cu_q, const In& cu_k, const Out& out, const Out& lse,
+               std::optional<float> scale, int causal, int64_t window, float dropout_p, uint64_t dropout_seed,
+               int num_threads) {
+  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, "auto");
+  switch (element_type(q, k, v)) {
+    case DType::kBF16: return varlen_typed<bfloat16>(q, k, v, cu_q, cu_k, out, lse, opt);
+    case DType::kF16: return varlen_typed<float16>(q, k, v, cu_q, cu_k, out, lse, opt);
+    default: return varlen_typed<float>(q, k, v, cu_q, cu_k, out, lse, opt);
+  }
+}
+
+template <typename T>
+void varlen_backward_typed(const In& q, const In& k, const In& v, const In& cu_q, const In& cu_k, const In& out,
+                           const In& lse, const In& grad_out, const Out& dq, const Out& dk, const Out& dv,
+                           const AttentionOptions& opt) {
+  const BasicVarlenInputs<T> in = varlen_inputs_of<T>(q, k, v, cu_q, cu_k);
+  const BasicVarlenGrads<T> g{view_of<T>(dq, "grad_q"), view_of<T>(dk, "grad_k"), view_of<T>(dv, "grad_v")};
+  const View<const T> o = view_of<const T>(out, "out"), go = view_of<const T>(grad_out, "grad_out");
+  const View<const float> l = view_of<const float>(lse, "lse");
+  nb::gil_scoped_release release;
+  varlen_attention_backward(in, o, l, go, g, opt);
+}
+
+void varlen_backward_py(const In& q, const In& k, const In& v, const In& cu_q, const In& cu_k, const In& out,
+                        const In& lse, const In& grad_out, const Out& dq, const Out& dk, const Out& dv,
+                        std::optional<float> scale, int causal, int64_t window, float dropout_p, uint64_t dropout_seed,
+                        int num_threads) {
+  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, "auto");
+  switch (element_type(q, k, v)) {
+    case DType::kBF16: return varlen_backward_typed<bfloat16>(q, k, v, cu_q, cu_k, out, lse, grad_out, dq, dk, dv, opt);
+    case DType::kF16: return varlen_backward_typed<float16>(q, k, v, cu_q, cu_k, out, lse, grad_out, dq, dk, dv, opt);
+    default: return varlen_backward_typed<float>(q, k, v, cu_q, cu_k, out, lse, grad_out, dq, dk, dv, opt);
+  }
+}
+
 // --- Module ---------------------------------------------------------------------------------------
 
 // Weights arrive as float32 (the Python layer widens every floating dtype exactly); the module
@@ -328,6 +382,16 @@ NB_MODULE(_mha, m) {
         nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
         nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
         nb::arg("backend") = "auto");
+
+  m.def("varlen_attention", &varlen_py, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"),
+        nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("scale").none() = nb::none(),
+        nb::arg("causal") = 0, nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0,
+        nb::arg("num_threads") = 0);
+  m.def("varlen_attention_backward", &varlen_backward_py, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("grad_out"),
+        nb::arg("grad_q"), nb::arg("grad_k"), nb::arg("grad_v"), nb::arg("scale").none() = nb::none(),
+        nb::arg("causal") = 0, nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0,
+        nb::arg("num_threads") = 0);
 
   nb::class_<KvCache>(m, "KvCache")
       .def("length", [](const KvCache& c, const nb::handle& b) { return c.length(sequence_index(b, "length")); },

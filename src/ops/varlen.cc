@@ -1,0 +1,180 @@
+// varlen_attention(): checks the packed layout, then runs attention() / attention_backward() on
+// each sequence through (1, H, n, D) views of its rows — no copies and no padding. Sequences run
+// one after another, each with every thread.
+#include "mha/varlen.h"
+
+#include <string>
+
+#include "util/check.h"
+
+namespace mha {
+namespace {
+
+// Rows [start, start + n) of x (total, H, D) as a (1, H, n, D) view.
+template <typename T>
+View<T> sequence_rows(const View<T>& x, int64_t start, int64_t n) {
+  return View<T>(x.data + start * x.stride[0], {1, x.shape[1], n, x.shape[2]},
+                 {n * x.stride[0], x.stride[1], x.stride[0], x.stride[2]});
+}
+
+// Columns [start, start + n) of lse (H, total) as a (1, H, n) view.
+template <typename T>
+View<T> sequence_lse(const View<T>& lse, int64_t start, int64_t n) {
+  if (lse.data == nullptr) return {};
+  return View<T>(lse.data + start * lse.stride[1], {1, lse.shape[0], n}, {lse.shape[0] * lse.stride[0], lse.stride[0],
+                                                                        lse.stride[1]});
+}
+
+// Checks cu_seqlens (S + 1,): starts at 0, never decreases, ends at total.
+void check_offsets(const View<const int64_t>& cu, const char* name, const char* rows, int64_t total,
+                   int64_t sequences) {
+  MHA_CHECK(cu.rank == 1 && cu.shape[0] >= 1 && cu.data != nullptr,
+            "varlen_attention: {} must be (S + 1,) offsets; got {}", name, shape_string(cu));
+  MHA_CHECK(cu.shape[0] == sequences + 1,
+            "varlen_attention: cu_seqlens_q ({} values) and cu_seqlens_k ({}) must have the same length",
+            sequences + 1, cu.shape[0]);
+  MHA_CHECK(cu.data[0] == 0, "varlen_attention: {}[0] must be 0; got {}", name, cu.data[0]);
+  for (int64_t s = 0; s < sequences; ++s) {
+    const int64_t a = cu.data[s * cu.stride[0]], b = cu.data[(s + 1) * cu.stride[0]];
+    MHA_CHECK(b >= a, "varlen_attention: {} must not decrease; {}[{}] = {} > {}[{}] = {}", name, name, s, a, name,
+              s + 1, b);
+  }
+  const int64_t last = cu.data[sequences * cu.stride[0]];
+  MHA_CHECK(last == total, "varlen_attention: {}[S] = {} must equal the {} rows ({})", name, last, rows, total);
+}
+
+template <typename T>
+void check_inputs(const BasicVarlenInputs<T>& in) {
+  const auto& q = in.query;
+  const auto& k = in.key;
+  const auto& v = in.value;
+  MHA_CHECK(q.rank == 3 && k.rank == 3 && v.rank == 3,
+            "varlen_attention: query {}, key {} and value {} must be (total, heads, head_dim)", shape_string(q),
+            shape_string(k), shape_string(v));
+  MHA_CHECK(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0 && k.shape[2] == q.shape[2] && v.shape[0] == k.shape[0] &&
+                v.shape[1] == k.shape[1],
+            "varlen_attention: query {} (total_q, Hq, D), key {} (total_k, Hkv, D) and value {} (total_k, Hkv, Dv) do "
+            "not fit: Hq must be a multiple of Hkv",
+            shape_string(q), shape_string(k), shape_string(v));
+  const int64_t S = in.cu_seqlens_q.rank == 1 ? in.cu_seqlens_q.shape[0] - 1 : -1;
+  check_offsets(in.cu_seqlens_q, "cu_seqlens_q", "query", q.shape[0], S);
+  check_offsets(in.cu_seqlens_k, "cu_seqlens_k", "key", k.shape[0], S);
+}
+
+template <typename T>
+void check_rows(const View<T>& x, const char* name, int64_t total, int64_t heads, int64_t dim) {
+  MHA_CHECK(x.rank == 3 && x.shape[0] == total && x.shape[1] == heads && x.shape[2] == dim,
+            "varlen_attention: {} must be ({}, {}, {}); got {}", name, total, heads, dim, shape_string(x));
+}
+
+template <typename T>
+void check_lse(const View<T>& lse, int64_t heads, int64_t total) {
+  MHA_CHECK(lse.rank == 2 && lse.shape[0] == heads && lse.shape[1] == total,
+            "varlen_attention: lse must be (Hq, total_q) = ({}, {}); got {}", heads, total, shape_string(lse));
+}
+
+// Calls f(s, q0, nq, k0, nk, options of s) for every sequence with queries.
+template <class F>
+void for_each_sequence(const View<const int64_t>& cq, const View<const int64_t>& ck, const AttentionOptions& options,
+                       const F& f) {
+  const int64_t S = cq.shape[0] - 1;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q0 = cq.data[s * cq.stride[0]], nq = cq.data[(s + 1) * cq.stride[0]] - q0;
+    const int64_t k0 = ck.data[s * ck.stride[0]], nk = ck.data[(s + 1) * ck.stride[0]] - k0;
+    if (nq == 0) continue;
+    AttentionOptions o = options;
+    o.dropout_seed = varlen_dropout_seed(options.dropout_seed, s);
+    f(q0, nq, k0, nk, o);
+  }
+}
+
+template <typename T>
+void forward(const BasicVarlenInputs<T>& in, const View<T>& out, const View<float>& lse,
+             const AttentionOptions& options) {
+  check_inputs(in);
+  const int64_t Hq = in.query.shape[1], Dv = in.value.shape[2], total_q = in.query.shape[0];
+  check_rows(out, "out", total_q, Hq, Dv);
+  if (lse.data || lse.rank) check_lse(lse, Hq, total_q);
+  for_each_sequence(in.cu_seqlens_q, in.cu_seqlens_k, options,
+                    [&](int64_t q0, int64_t nq, int64_t k0, int64_t nk, const AttentionOptions& o) {
+                      BasicAttentionInputs<T> a;
+                      a.query = sequence_rows(in.query, q0, nq);
+                      a.key = sequence_rows(in.key, k0, nk);
+                      a.value = sequence_rows(in.value, k0, nk);
+                      BasicAttentionOutputs<T> r;
+                      r.out = sequence_rows(out, q0, nq);
+                      r.lse = sequence_lse(lse, q0, nq);
+                      attention(a, r, o);
+                    });
+}
+
+template <typename T>
+void backward(const BasicVarlenInputs<T>& in, const View<const T>& out, const View<const float>& lse,
+              const View<const T>& grad_out, const BasicVarlenGrads<T>& grads, const AttentionOptions& options) {
+  check_inputs(in);
+  const int64_t Hq = in.query.shape[1], Hkv = in.key.shape[1], D = in.query.shape[2], Dv = in.value.shape[2];
+  const int64_t total_q = in.query.shape[0], total_k = in.key.shape[0];
+  check_rows(out, "out", total_q, Hq, Dv);
+  check_rows(grad_out, "grad_out", total_q, Hq, Dv);
+  check_lse(lse, Hq, total_q);
+  check_rows(grads.grad_query, "grad_query", total_q, Hq, D);
+  check_rows(grads.grad_key, "grad_key", total_k, Hkv, D);
+  check_rows(grads.grad_value, "grad_value", total_k, Hkv, Dv);
+  // Keys of sequences without queries get zero gradient (no call covers them).
+  const int64_t S = in.cu_seqlens_q.shape[0] - 1;
+  for (int64_t s = 0; s < S; ++s) {
+    const auto& cq = in.cu_seqlens_q;
+    const auto& ck = in.cu_seqlens_k;
+    if (cq.data[(s + 1) * cq.stride[0]] != cq.data[s * cq.stride[0]]) continue;
+    const int64_t k0 = ck.data[s * ck.stride[0]], nk = ck.data[(s + 1) * ck.stride[0]] - k0;
+    for (const View<T>& g : {grads.grad_key, grads.grad_value})
+      for (int64_t t = k0; t < k0 + nk; ++t)
+        for (int64_t h = 0; h < g.shape[1]; ++h)
+          for (int64_t e = 0; e < g.shape[2]; ++e) g.data[t * g.stride[0] + h * g.stride[1] + e * g.stride[2]] = T{};
+  }
+  for_each_sequence(in.cu_seqlens_q, in.cu_seqlens_k, options,
+                    [&](int64_t q0, int64_t nq, int64_t k0, int64_t nk, const AttentionOptions& o) {
+                      BasicAttentionInputs<T> a;
+                      a.query = sequence_rows(in.query, q0, nq);
+                      a.key = sequence_rows(in.key, k0, nk);
+                      a.value = sequence_rows(in.value, k0, nk);
+                      const BasicAttentionInputGrads<T> g{sequence_rows(grads.grad_query, q0, nq),
+                                                          sequence_rows(grads.grad_key, k0, nk),
+                                                          sequence_rows(grads.grad_value, k0, nk)};
+                      attention_backward(a, sequence_rows(out, q0, nq), sequence_lse(lse, q0, nq),
+                                         sequence_rows(grad_out, q0, nq), g, o);
+                    });
+}
+
+}  // namespace
+
+void varlen_attention(const BasicVarlenInputs<float>& in, const View<float>& out, const View<float>& lse,
+                      const AttentionOptions& options) {
+  forward(in, out, lse, options);
+}
+void varlen_attention(const BasicVarlenInputs<bfloat16>& in, const View<bfloat16>& out, const View<float>& lse,
+                      const AttentionOptions& options) {
+  forward(in, out, lse, options);
+}
+void varlen_attention(const BasicVarlenInputs<float16>& in, const View<float16>& out, const View<float>& lse,
+                      const AttentionOptions& options) {
+  forward(in, out, lse, options);
+}
+
+void varlen_attention_backward(const BasicVarlenInputs<float>& in, const View<const float>& out,
+                               const View<const float>& lse, const View<const float>& grad_out,
+                               const BasicVarlenGrads<float>& grads, const AttentionOptions& options) {
+  backward(in, out, lse, grad_out, grads, options);
+}
+void varlen_attention_backward(const BasicVarlenInputs<bfloat16>& in, const View<const bfloat16>& out,
+                               const View<const float>& lse, const View<const bfloat16>& grad_out,
+                               const BasicVarlenGrads<bfloat16>& grads, const AttentionOptions& options) {
+  backward(in, out, lse, grad_out, grads, options);
+}
+void varlen_attention_backward(const BasicVarlenInputs<float16>& in, const View<const float16>& out,
+                               const View<const float>& lse, const View<const float16>& grad_out,
+                               const BasicVarlenGrads<float16>& grads, const AttentionOptions& options) {
+  backward(in, out, lse, grad_out, grads, options);
+}
+
+}  // namespace mha
