@@ -11,6 +11,7 @@
 
 #include "mha/attention.h"
 #include "mha/kv_cache.h"
+#include "mha/paged_kv_cache.h"
 #include "mha/multi_head_attention.h"
 
 namespace mha::bench {
@@ -251,6 +252,40 @@ double time_cache_decode(CacheType type, int64_t L, int threads, double seconds,
   return time_calls([&] { attend(q.view<float>(), cache, out.view<float>(), opt); }, seconds);
 }
 
+// One batched decoding step over 16 sequences of a paged pool, lengths spread over 100 .. 8000
+// (GQA 32/8, D = 128, pages of 64): the bytes of the pages read, in *bytes.
+double time_paged_decode(CacheType type, int threads, double seconds, int64_t* bytes) {
+  PagedKvCacheConfig c;
+  c.kv_heads = 8;
+  c.head_dim_qk = c.head_dim_v = 128;
+  c.page_size = 64;
+  c.pages = 1024;
+  c.dtype = type;
+  PagedKvCache cache(c);
+  std::vector<int64_t> ids;
+  uint64_t x = 12345;
+  int64_t positions = 0;
+  for (int s = 0; s < 16; ++s) {
+    const int64_t L = 100 + (7900 * static_cast<int64_t>((s * 7) % 16)) / 15;  // 100 .. 8000, shuffled
+    Tensor k(DType::kF32, {8, L, 128}), v(DType::kF32, {8, L, 128});
+    for (Tensor* t : {&k, &v})
+      for (int64_t i = 0; i < t->numel(); ++i) {
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+        t->data<float>()[i] = static_cast<float>(static_cast<double>(x >> 40) / (1 << 23) - 1.0);
+      }
+    ids.push_back(cache.add_sequence());
+    cache.append(ids.back(), k.view<float>(), v.view<float>());
+    positions += L;
+  }
+  *bytes = static_cast<int64_t>(static_cast<double>(cache.nbytes()) * static_cast<double>(positions) /
+                                static_cast<double>(cache.pages() * c.page_size));
+  const Tensor q = filled({16, 32, 1, 128}, 0.5f);
+  Tensor out(DType::kF32, {16, 32, 1, 128});
+  AttentionOptions opt;
+  opt.num_threads = threads;
+  return time_calls([&] { attend(q.view<float>(), cache, ids, out.view<float>(), opt); }, seconds);
+}
+
 }  // namespace
 
 void run_cache_types(const Options& o) {
@@ -272,6 +307,12 @@ void run_cache_types(const Options& o) {
       rows.push_back({L, t, s, bytes});
     }
   }
+  for (CacheType t : types) {  // L = 0 marks the paged rows
+    std::fprintf(stderr, "paged cache %s, 16 sequences ...\n", cache_type_name(t));
+    int64_t bytes = 0;
+    const double s = time_paged_decode(t, o.threads, o.seconds, &bytes);
+    rows.push_back({0, t, s, bytes});
+  }
   const Bandwidth after = measure_bandwidth(o.threads);
   const double read = std::max(bw.read, after.read);
   fmt::print("\nthreads {}, measured read bandwidth {:.1f} GB/s; decode step over a KvCache, GQA 32/8, D = 128\n",
@@ -282,9 +323,11 @@ void run_cache_types(const Options& o) {
   for (const Row& r : rows) {
     if (r.type == CacheType::kF32) f32 = r.seconds;
     const double gb = static_cast<double>(r.bytes) / r.seconds / 1e9;
-    fmt::print("{:<9} {:>7} {:>10.1f} {:>10.3f} {:>8.1f} {:>6.1f}% {:>7.2f}x\n", cache_type_name(r.type), r.L,
-               static_cast<double>(r.bytes) / (1 << 20), r.seconds * 1e3, gb, 100 * gb / read, r.seconds / f32);
+    fmt::print("{:<9} {:>7} {:>10.1f} {:>10.3f} {:>8.1f} {:>6.1f}% {:>7.2f}x\n", cache_type_name(r.type),
+               r.L > 0 ? std::to_string(r.L) : std::string("paged"), static_cast<double>(r.bytes) / (1 << 20),
+               r.seconds * 1e3, gb, 100 * gb / read, r.seconds / f32);
   }
+  fmt::print("paged: one attend() over 16 sequences of 100 .. 8000 positions in pages of 64; MiB read: their pages\n");
 }
 
 std::vector<AttentionCase> training_attention_cases() {

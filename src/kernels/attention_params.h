@@ -37,6 +37,12 @@ struct AttentionParams {
   // Key channel scales (B, Hkv, Dqk), strides (batch, head, channel): the stored keys are
   // divided by them, so the query is multiplied by them.
   const float* k_channel_scales = nullptr;  Strides4 k_channel_stride{};
+  // Internal (paged KV caches, decode kernel only): if block_table is set, key and value j of
+  // batch b are row j & (2^page_shift − 1) of pool page block_table[b · block_table_stride +
+  // (j >> page_shift)]; k_stride[0], v_stride[0] and the scale strides' [0] step between pages.
+  const int64_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int page_shift = 0;
   const uint8_t* keep = nullptr;  Strides4 keep_stride{};  // nonzero = attend
   const float* attn_bias = nullptr;  Strides4 attn_bias_stride{};
   const int64_t* key_lengths = nullptr;  int64_t key_lengths_stride = 0;

@@ -6,128 +6,11 @@
 #include <limits>
 #include <vector>
 
+#include "modules/kv_storage.h"
 #include "util/check.h"
-#include "util/convert.h"
-#include "util/fp16.h"
 
 namespace mha {
-namespace {
-
-int quant_bits(CacheType t) { return t == CacheType::kInt8 ? 8 : t == CacheType::kInt4 ? 4 : 0; }
-
-DType element_type(CacheType t) {
-  switch (t) {
-    case CacheType::kBF16: return DType::kBF16;
-    case CacheType::kF16: return DType::kF16;
-    case CacheType::kF32: return DType::kF32;
-    default: return DType::kU8;  // codes
-  }
-}
-
-int64_t quant_groups(int64_t width) { return (width + kCacheQuantGroup - 1) / kCacheQuantGroup; }
-
-// Elements of storage per row of `width` values.
-int64_t row_elements(CacheType t, int64_t width) {
-  const int bits = quant_bits(t);
-  return bits ? quant_groups(width) * kCacheQuantGroup * bits / 8 : width;
-}
-
-// Row (b, h, t) of x (any strides) into storage of dtype t at element `at`, rounded to it.
-void store_row(const View<const float>& x, int64_t b, int64_t h, int64_t t, void* storage, int64_t at, int64_t width,
-               DType dtype) {
-  const float* row = x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
-  if (dtype == DType::kF32) {
-    float* dst = static_cast<float*>(storage) + at;
-    for (int64_t d = 0; d < width; ++d) dst[d] = row[d * x.stride[3]];
-    return;
-  }
-  auto* dst = static_cast<uint16_t*>(storage) + at;
-  if (x.stride[3] == 1) {
-    narrow_from_f32(row, dtype, dst, width);
-    return;
-  }
-  for (int64_t d = 0; d < width; ++d) {
-    const float v = row[d * x.stride[3]];
-    dst[d] = dtype == DType::kBF16 ? float_to_bf16(v) : float_to_half(v);
-  }
-}
-
-// Row (b, h, t) of x quantized to `bits`: codes (row_elements bytes) and (scale, minimum) pairs
-// per group, in the format kv_cache.h describes.
-// inv_channel (or nullptr): per-value multipliers (powers of two) applied first.
-void quantize_row(const View<const float>& x, int64_t b, int64_t h, int64_t t, int64_t width, int bits,
-                  const float* inv_channel, uint8_t* codes, float* scales) {
-  const float* row = x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
-  const int64_t cs = x.stride[3];
-  const int levels = (1 << bits) - 1;
-  const int64_t G = kCacheQuantGroup;
-  std::fill(codes, codes + row_elements(bits == 8 ? CacheType::kInt8 : CacheType::kInt4, width), uint8_t{0});
-  for (int64_t g = 0; g * G < width; ++g) {
-    const int64_t n = std::min(G, width - g * G);
-    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-    bool finite = true;
-    auto value = [&](int64_t i) { return row[(g * G + i) * cs] * (inv_channel ? inv_channel[g * G + i] : 1.0f); };
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = value(i);
-      finite &= std::isfinite(v);
-      lo = std::min(lo, v);
-      hi = std::max(hi, v);
-    }
-    if (!finite) {  // NaN for the whole group: never a finite stand-in for a non-finite value
-      scales[2 * g] = scales[2 * g + 1] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    // hi/levels − lo/levels stays finite for any finite hi and lo (their difference may not).
-    const float scale = hi / static_cast<float>(levels) - lo / static_cast<float>(levels);
-    scales[2 * g] = scale;
-    scales[2 * g + 1] = lo;
-    if (!(scale > 0.0f)) continue;  // all equal: every code 0
-    for (int64_t i = 0; i < n; ++i) {
-      const double q = std::nearbyint((static_cast<double>(value(i)) - lo) / scale);
-      const auto code = static_cast<uint8_t>(std::clamp(q, 0.0, static_cast<double>(levels)));
-      if (bits == 8) {
-        codes[g * G + i] = code;
-      } else {  // byte i of the group's 16: value i low, value i + 16 high
-        uint8_t& byte = codes[g * G / 2 + i % (G / 2)];
-        byte = static_cast<uint8_t>(byte | (i < G / 2 ? code : code << 4));
-      }
-    }
-  }
-}
-
-// Value c of a quantized row, dequantized as the decode kernel does (one fused multiply-add).
-float dequantize(const uint8_t* codes, const float* scales, int64_t c, int bits) {
-  const int64_t G = kCacheQuantGroup, g = c / G, i = c % G;
-  const int code = bits == 8 ? codes[c] : (codes[g * G / 2 + i % (G / 2)] >> (i < G / 2 ? 0 : 4)) & 0xF;
-  return std::fma(static_cast<float>(code), scales[2 * g], scales[2 * g + 1]);
-}
-
-// The key channel scales of one (sequence, kv head) from its first positions k[b, h, t0 .. t1):
-// s_c = the power of two nearest max(rms_c, mean over channels of rms_c), in [2^-30, 2^30] —
-// channels of ordinary size share one scale, outlier channels get their own. Non-finite
-// values are left out of the statistics; no finite value at all gives 1.
-void channel_scales(const View<const float>& k, int64_t b, int64_t h, int64_t t0, int64_t t1, float* s) {
-  const int64_t D = k.shape[3];
-  std::vector<double> rms(static_cast<size_t>(D), 0.0);
-  double mean = 0.0;
-  for (int64_t c = 0; c < D; ++c) {
-    double sum = 0.0;
-    int64_t n = 0;
-    for (int64_t t = t0; t < t1; ++t) {
-      const double v = k.data[b * k.stride[0] + h * k.stride[1] + t * k.stride[2] + c * k.stride[3]];
-      if (std::isfinite(v)) sum += v * v, ++n;
-    }
-    rms[c] = n ? std::sqrt(sum / static_cast<double>(n)) : 0.0;
-    mean += rms[c] / static_cast<double>(D);
-  }
-  for (int64_t c = 0; c < D; ++c) {
-    const double r = std::max(rms[c], mean);
-    s[c] = r > 0.0 && std::isfinite(r) ? std::ldexp(1.0f, std::clamp(static_cast<int>(std::lround(std::log2(r))), -30, 30))
-                                       : 1.0f;
-  }
-}
-
-}  // namespace
+using namespace kv_storage;
 
 const char* cache_type_name(CacheType type) {
   switch (type) {
@@ -210,7 +93,6 @@ Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, const Tensor&
   const auto& c = config_;
   if (!quantized()) return data.converted(DType::kF32);
   Tensor out(DType::kF32, {c.batch, c.kv_heads, capacity_, width});
-  const int bits = quant_bits(c.dtype);
   const int64_t row_bytes = data.shape()[3], row_scales = scales.shape()[3];
   const int64_t rows = c.batch * c.kv_heads * capacity_;
   for (int64_t r = 0; r < rows; ++r) {
@@ -220,10 +102,8 @@ Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, const Tensor&
       std::fill(dst, dst + width, 0.0f);
       continue;
     }
-    const uint8_t* codes = data.data<uint8_t>() + r * row_bytes;
-    const float* sc = scales.data<float>() + r * row_scales;
     const float* ch = channels.defined() ? channels.data<float>() + r / capacity_ * width : nullptr;
-    for (int64_t e = 0; e < width; ++e) dst[e] = dequantize(codes, sc, e, bits) * (ch ? ch[e] : 1.0f);
+    read_row(data.data<uint8_t>() + r * row_bytes, scales.data<float>() + r * row_scales, ch, width, c.dtype, dst);
   }
   return out;
 }
@@ -312,7 +192,7 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
   if (need > capacity_) reserve(std::max(need, std::min(2 * capacity_, c.window > 0 ? c.window : INT64_MAX)));
 
   const int bits = quant_bits(c.dtype);
-  const DType et = element_type(c.dtype);
+  const int64_t kw = k_.shape()[3], vw = v_.shape()[3], es = static_cast<int64_t>(dtype_size(k_.dtype()));
   for (int64_t b = 0; b < c.batch; ++b) {
     const int64_t cnt = counts.empty() ? n : counts[b];
     // A windowed cache only needs the last `window` of the new positions.
@@ -321,26 +201,23 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
     for (int64_t h = 0; h < c.kv_heads; ++h) {
       float* ch = bits ? k_channels_.data<float>() + (b * c.kv_heads + h) * c.head_dim_qk : nullptr;
       // A sequence's first positions fix its key channel scales.
-      if (bits && !channels_fixed_[b] && cnt > 0) channel_scales(k, b, h, 0, cnt, ch);
+      if (bits && !channels_fixed_[b] && cnt > 0)
+        channel_scales(k.data + b * k.stride[0] + h * k.stride[1], k.stride[2], k.stride[3], cnt, c.head_dim_qk, ch);
       for (size_t e = 0; e < inv.size(); ++e) inv[e] = 1.0f / ch[e];
       for (int64_t t = first; t < cnt; ++t) {
         const int64_t pos = length_[b] + t;
         const int64_t row = (b * c.kv_heads + h) * capacity_ + (c.window > 0 ? pos % c.window : pos);
-        if (bits) {
-          quantize_row(k, b, h, t, c.head_dim_qk, bits, inv.data(), k_.data<uint8_t>() + row * k_.shape()[3],
-                       k_scales_.data<float>() + row * k_scales_.shape()[3]);
-          quantize_row(v, b, h, t, c.head_dim_v, bits, nullptr, v_.data<uint8_t>() + row * v_.shape()[3],
-                       v_scales_.data<float>() + row * v_scales_.shape()[3]);
-        } else {
-          store_row(k, b, h, t, k_.raw(), row * c.head_dim_qk, c.head_dim_qk, et);
-          store_row(v, b, h, t, v_.raw(), row * c.head_dim_v, c.head_dim_v, et);
-        }
+        write_row(k.data + b * k.stride[0] + h * k.stride[1] + t * k.stride[2], k.stride[3], c.head_dim_qk, c.dtype,
+                  bits ? inv.data() : nullptr, static_cast<std::byte*>(k_.raw()) + row * kw * es,
+                  bits ? k_scales_.data<float>() + row * k_scales_.shape()[3] : nullptr);
+        write_row(v.data + b * v.stride[0] + h * v.stride[1] + t * v.stride[2], v.stride[3], c.head_dim_v, c.dtype,
+                  nullptr, static_cast<std::byte*>(v_.raw()) + row * vw * es,
+                  bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);
       }
     }
     length_[b] += cnt;
     if (bits && cnt > 0) channels_fixed_[b] = 1;
   }
 }
-
 
 }  // namespace mha

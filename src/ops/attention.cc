@@ -125,53 +125,6 @@ void attention_with_offsets(const BasicAttentionInputs<float16>& in, const Basic
   with_offsets(in, out, options, causal_offset);
 }
 
-bool attention_over_quantized_cache(const View<const float>& q, const KvCache& cache, const View<float>& out,
-                                    const AttentionOptions& options, const int64_t* causal_offset) {
-  const KvCacheConfig& c = cache.config();
-  MHA_CHECK(cache.quantized() && q.rank == 4 && out.rank == 4 && q.shape[0] == c.batch &&
-                q.shape[1] % c.kv_heads == 0 && q.shape[3] == c.head_dim_qk && out.shape[0] == q.shape[0] &&
-                out.shape[1] == q.shape[1] && out.shape[2] == q.shape[2] && out.shape[3] == c.head_dim_v,
-            "attention over a {} cache: query {} and output {} do not fit it", cache_type_name(c.dtype),
-            shape_string(q), shape_string(out));
-  std::vector<int64_t> lengths(static_cast<size_t>(c.batch));
-  for (int64_t b = 0; b < c.batch; ++b) lengths[b] = cache.stored(b);
-  const View<const uint8_t> kc = cache.key_codes(), vc = cache.value_codes();
-  const View<const float> ks = cache.key_scales(), vs = cache.value_scales();
-  kernels::AttentionParams p;
-  p.batch = c.batch;
-  p.q_heads = q.shape[1];
-  p.kv_heads = c.kv_heads;
-  p.q_len = q.shape[2];
-  p.kv_len = cache.capacity();
-  p.head_dim_qk = c.head_dim_qk;
-  p.head_dim_v = c.head_dim_v;
-  p.q = q.data;
-  p.q_stride = {q.stride[0], q.stride[1], q.stride[2], q.stride[3]};
-  p.k = kc.data;
-  p.k_stride = {kc.stride[0], kc.stride[1], kc.stride[2], kc.stride[3]};
-  p.v = vc.data;
-  p.v_stride = {vc.stride[0], vc.stride[1], vc.stride[2], vc.stride[3]};
-  p.kv_bits = c.dtype == CacheType::kInt8 ? 8 : 4;
-  p.k_scales = ks.data;
-  p.k_scale_stride = {ks.stride[0], ks.stride[1], ks.stride[2], ks.stride[3]};
-  p.v_scales = vs.data;
-  p.v_scale_stride = {vs.stride[0], vs.stride[1], vs.stride[2], vs.stride[3]};
-  const View<const float> ch = cache.key_channel_scales();
-  p.k_channel_scales = ch.data;
-  p.k_channel_stride = {ch.stride[0], ch.stride[1], ch.stride[2], 0};
-  p.key_lengths = lengths.data();
-  p.key_lengths_stride = 1;
-  p.scale = options.scale ? *options.scale : 1.0f / std::sqrt(static_cast<float>(c.head_dim_qk));
-  MHA_CHECK(std::isfinite(p.scale), "attention: scale must be finite; got {}", p.scale);
-  p.causal = causal_offset ? Causal::kBottomRight : Causal::kNone;
-  p.causal_offset = causal_offset;
-  p.out = out.data;
-  p.out_stride = {out.stride[0], out.stride[1], out.stride[2], out.stride[3]};
-  if (!kernels::decode_applies(p)) return false;
-  kernels::flash_decode(p, options.num_threads);
-  return true;
-}
-
 }  // namespace ops
 
 }  // namespace mha

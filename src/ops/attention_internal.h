@@ -3,9 +3,11 @@
 #define MHA_OPS_ATTENTION_INTERNAL_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "mha/attention.h"
 #include "mha/kv_cache.h"
+#include "mha/paged_kv_cache.h"
 
 namespace mha::ops {
 
@@ -26,6 +28,12 @@ void attention_with_offsets(const BasicAttentionInputs<float16>& in, const Basic
 // kMaxDecodeRows query rows per kv head); the caller then attends over keys_as_float().
 bool attention_over_quantized_cache(const View<const float>& q, const KvCache& cache, const View<float>& out,
                                     const AttentionOptions& options, const int64_t* causal_offset);
+
+// attend() over a paged pool (checked by the caller): the decode kernel through the sequences'
+// block tables for up to kMaxDecodeRows query rows per kv head, else per sequence over float32
+// copies. 16-bit pools attend in their type (queries rounded to it, the result widened back).
+void attention_over_paged_cache(const View<const float>& q, const PagedKvCache& cache, const std::vector<int64_t>& ids,
+                                const View<float>& out, const AttentionOptions& options);
 
 }  // namespace mha::ops
 

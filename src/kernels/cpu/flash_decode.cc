@@ -84,6 +84,23 @@ HWY_INLINE hn::Vec<DF> LoadTail(DF d, const T* p, size_t n) {
   return hn::Load(d, tmp);
 }
 
+// Element offset of key/value row j of one (batch, kv head) plane: j · row, or through the block
+// table of a paged pool (page stride `page`).
+struct RowOffset {
+  const int64_t* table;
+  int shift;
+  int64_t mask, page, row;
+  RowOffset(const AttentionParams& p, int64_t b, int64_t page_stride, int64_t row_stride)
+      : table(p.block_table ? p.block_table + b * p.block_table_stride : nullptr), shift(p.page_shift),
+        mask((int64_t{1} << p.page_shift) - 1), page(page_stride), row(row_stride) {}
+  HWY_INLINE int64_t operator()(int64_t j) const { return table ? table[j >> shift] * page + (j & mask) * row : j * row; }
+};
+
+// The start of (b, hk)'s plane: paged pools start every batch at page 0 (the table says where).
+inline int64_t PlaneStart(const AttentionParams& p, const Strides4& stride, int64_t b, int64_t hk) {
+  return (p.block_table ? 0 : b * stride[0]) + hk * stride[1];
+}
+
 // How DecodeChunk reads the keys and values of one (batch, kv head): PlainKv<T> (elements of
 // T, widened on load) or QuantKv<kBits> (int8/int4 cache codes, dequantized on load as
 // minimum + scale · code). Row(j) is key or value j; Load(d, row, c) gives values [c, c + N).
@@ -93,15 +110,15 @@ struct PlainKv {
   static constexpr bool kPadded = false;  // rows end at D: a partial last vector needs LoadPartial
   const T* k;
   const T* v;
-  int64_t ks, vs;
+  RowOffset kr, vr;
   size_t kdim, vdim;
   PlainKv(const AttentionParams& p, int64_t b, int64_t hk)
-      : k(static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1]),
-        v(static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1]),
-        ks(p.k_stride[2]), vs(p.v_stride[2]),
+      : k(static_cast<const T*>(p.k) + PlaneStart(p, p.k_stride, b, hk)),
+        v(static_cast<const T*>(p.v) + PlaneStart(p, p.v_stride, b, hk)),
+        kr(p, b, p.k_stride[0], p.k_stride[2]), vr(p, b, p.v_stride[0], p.v_stride[2]),
         kdim(static_cast<size_t>(p.head_dim_qk)), vdim(static_cast<size_t>(p.head_dim_v)) {}
-  Row key(int64_t j) const { return k + j * ks; }
-  Row value(int64_t j) const { return v + j * vs; }
+  Row key(int64_t j) const { return k + kr(j); }
+  Row value(int64_t j) const { return v + vr(j); }
   HWY_INLINE hn::Vec<DF> Load(DF d, Row r, size_t c) const { return LoadAsFloat(d, r + c); }
   HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t n) const { return LoadTail(d, r + c, n); }
   void Prefetch(int64_t j) const {
@@ -123,15 +140,16 @@ struct QuantKv {
   const uint8_t* v;
   const float* ksc;
   const float* vsc;
-  int64_t ks, vs, kss, vss;
+  RowOffset kr, vr, ksr, vsr;
   QuantKv(const AttentionParams& p, int64_t b, int64_t hk)
-      : k(static_cast<const uint8_t*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1]),
-        v(static_cast<const uint8_t*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1]),
-        ksc(p.k_scales + b * p.k_scale_stride[0] + hk * p.k_scale_stride[1]),
-        vsc(p.v_scales + b * p.v_scale_stride[0] + hk * p.v_scale_stride[1]),
-        ks(p.k_stride[2]), vs(p.v_stride[2]), kss(p.k_scale_stride[2]), vss(p.v_scale_stride[2]) {}
-  Row key(int64_t j) const { return {k + j * ks, ksc + j * kss}; }
-  Row value(int64_t j) const { return {v + j * vs, vsc + j * vss}; }
+      : k(static_cast<const uint8_t*>(p.k) + PlaneStart(p, p.k_stride, b, hk)),
+        v(static_cast<const uint8_t*>(p.v) + PlaneStart(p, p.v_stride, b, hk)),
+        ksc(p.k_scales + PlaneStart(p, p.k_scale_stride, b, hk)),
+        vsc(p.v_scales + PlaneStart(p, p.v_scale_stride, b, hk)),
+        kr(p, b, p.k_stride[0], p.k_stride[2]), vr(p, b, p.v_stride[0], p.v_stride[2]),
+        ksr(p, b, p.k_scale_stride[0], p.k_scale_stride[2]), vsr(p, b, p.v_scale_stride[0], p.v_scale_stride[2]) {}
+  Row key(int64_t j) const { return {k + kr(j), ksc + ksr(j)}; }
+  Row value(int64_t j) const { return {v + vr(j), vsc + vsr(j)}; }
   HWY_INLINE hn::Vec<DF> Load(DF d, Row r, size_t c) const {
     const hn::Rebind<uint8_t, DF> d8;
     const hn::RebindToSigned<DF> di;

@@ -1,0 +1,139 @@
+// The row formats of KV cache storage (kv_cache.h describes them): writing a float32 row as
+// float32/bfloat16/float16 or as int8/int4 groups, reading rows back, the key channel scales.
+#include "modules/kv_storage.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "util/convert.h"
+#include "util/fp16.h"
+
+namespace mha::kv_storage {
+namespace {
+
+// row quantized to `bits`: codes (row_elements bytes) and (scale, minimum) pairs per group.
+// inv_channel (or nullptr): per-value multipliers (powers of two) applied first.
+void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const float* inv_channel, uint8_t* codes,
+                  float* scales) {
+  const int levels = (1 << bits) - 1;
+  const int64_t G = kCacheQuantGroup;
+  std::fill(codes, codes + quant_groups(width) * G * bits / 8, uint8_t{0});
+  for (int64_t g = 0; g * G < width; ++g) {
+    const int64_t n = std::min(G, width - g * G);
+    auto value = [&](int64_t i) { return row[(g * G + i) * cs] * (inv_channel ? inv_channel[g * G + i] : 1.0f); };
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    bool finite = true;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = value(i);
+      finite &= std::isfinite(v);
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+    if (!finite) {  // NaN for the whole group: never a finite stand-in for a non-finite value
+      scales[2 * g] = scales[2 * g + 1] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    // hi/levels − lo/levels stays finite for any finite hi and lo (their difference may not).
+    const float scale = hi / static_cast<float>(levels) - lo / static_cast<float>(levels);
+    scales[2 * g] = scale;
+    scales[2 * g + 1] = lo;
+    if (!(scale > 0.0f)) continue;  // all equal: every code 0
+    for (int64_t i = 0; i < n; ++i) {
+      const double q = std::nearbyint((static_cast<double>(value(i)) - lo) / scale);
+      const auto code = static_cast<uint8_t>(std::clamp(q, 0.0, static_cast<double>(levels)));
+      if (bits == 8) {
+        codes[g * G + i] = code;
+      } else {  // byte i of the group's 16: value i low, value i + 16 high
+        uint8_t& byte = codes[g * G / 2 + i % (G / 2)];
+        byte = static_cast<uint8_t>(byte | (i < G / 2 ? code : code << 4));
+      }
+    }
+  }
+}
+
+// Value c of a quantized row, dequantized as the decode kernel does (one fused multiply-add).
+float dequantize(const uint8_t* codes, const float* scales, int64_t c, int bits) {
+  const int64_t G = kCacheQuantGroup, g = c / G, i = c % G;
+  const int code = bits == 8 ? codes[c] : (codes[g * G / 2 + i % (G / 2)] >> (i < G / 2 ? 0 : 4)) & 0xF;
+  return std::fma(static_cast<float>(code), scales[2 * g], scales[2 * g + 1]);
+}
+
+}  // namespace
+
+int quant_bits(CacheType t) { return t == CacheType::kInt8 ? 8 : t == CacheType::kInt4 ? 4 : 0; }
+
+DType element_type(CacheType t) {
+  switch (t) {
+    case CacheType::kBF16: return DType::kBF16;
+    case CacheType::kF16: return DType::kF16;
+    case CacheType::kF32: return DType::kF32;
+    default: return DType::kU8;  // codes
+  }
+}
+
+int64_t quant_groups(int64_t width) { return (width + kCacheQuantGroup - 1) / kCacheQuantGroup; }
+
+int64_t row_elements(CacheType t, int64_t width) {
+  const int bits = quant_bits(t);
+  return bits ? quant_groups(width) * kCacheQuantGroup * bits / 8 : width;
+}
+
+void write_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel, void* data,
+               float* scales) {
+  const int bits = quant_bits(type);
+  if (bits) {
+    quantize_row(row, cs, width, bits, inv_channel, static_cast<uint8_t*>(data), scales);
+    return;
+  }
+  const DType dtype = element_type(type);
+  if (dtype == DType::kF32) {
+    float* dst = static_cast<float*>(data);
+    for (int64_t d = 0; d < width; ++d) dst[d] = row[d * cs];
+    return;
+  }
+  auto* dst = static_cast<uint16_t*>(data);
+  if (cs == 1) {
+    narrow_from_f32(row, dtype, dst, width);
+    return;
+  }
+  for (int64_t d = 0; d < width; ++d) dst[d] = dtype == DType::kBF16 ? float_to_bf16(row[d * cs]) : float_to_half(row[d * cs]);
+}
+
+void read_row(const void* data, const float* scales, const float* channel, int64_t width, CacheType type,
+              float* dst) {
+  const int bits = quant_bits(type);
+  if (bits) {
+    for (int64_t e = 0; e < width; ++e)
+      dst[e] = dequantize(static_cast<const uint8_t*>(data), scales, e, bits) * (channel ? channel[e] : 1.0f);
+    return;
+  }
+  if (type == CacheType::kF32) {
+    std::copy(static_cast<const float*>(data), static_cast<const float*>(data) + width, dst);
+    return;
+  }
+  widen_to_f32(data, element_type(type), dst, width);
+}
+
+void channel_scales(const float* rows, int64_t row_stride, int64_t cs, int64_t n, int64_t D, float* s) {
+  std::vector<double> rms(static_cast<size_t>(D), 0.0);
+  double mean = 0.0;
+  for (int64_t c = 0; c < D; ++c) {
+    double sum = 0.0;
+    int64_t count = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      const double v = rows[t * row_stride + c * cs];
+      if (std::isfinite(v)) sum += v * v, ++count;
+    }
+    rms[c] = count ? std::sqrt(sum / static_cast<double>(count)) : 0.0;
+    mean += rms[c] / static_cast<double>(D);
+  }
+  for (int64_t c = 0; c < D; ++c) {
+    const double r = std::max(rms[c], mean);
+    s[c] = r > 0.0 && std::isfinite(r) ? std::ldexp(1.0f, std::clamp(static_cast<int>(std::lround(std::log2(r))), -30, 30))
+                                       : 1.0f;
+  }
+}
+
+}  // namespace mha::kv_storage

@@ -1,0 +1,254 @@
+// PagedKvCache: a pool of pages with reference counts, block tables per sequence, copy on write
+// of shared partial pages, window release; attend() over it.
+#include "mha/paged_kv_cache.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "modules/kv_storage.h"
+#include "ops/attention_internal.h"
+#include "util/check.h"
+
+namespace mha {
+using namespace kv_storage;
+
+PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
+  const auto& c = config_;
+  MHA_CHECK(c.kv_heads > 0 && c.head_dim_qk > 0 && c.head_dim_v > 0 && c.pages > 0 && c.max_pages >= 0 &&
+                c.window >= 0,
+            "PagedKvCache: kv_heads {}, head dims ({}, {}), pages {}: must be positive; max_pages {} and window {} "
+            "must not be negative",
+            c.kv_heads, c.head_dim_qk, c.head_dim_v, c.pages, c.max_pages, c.window);
+  MHA_CHECK(c.page_size >= 16 && c.page_size <= 256 && (c.page_size & (c.page_size - 1)) == 0,
+            "PagedKvCache: page_size must be a power of two in [16, 256]; got {}", c.page_size);
+  MHA_CHECK(c.max_pages == 0 || c.pages <= c.max_pages, "PagedKvCache: pages {} exceed max_pages {}", c.pages,
+            c.max_pages);
+  MHA_CHECK(c.dtype == CacheType::kF32 || c.dtype == CacheType::kBF16 || c.dtype == CacheType::kF16 ||
+                c.dtype == CacheType::kInt8 || c.dtype == CacheType::kInt4,
+            "PagedKvCache: dtype must be float32, bfloat16, float16, int8 or int4; got value {}",
+            static_cast<int>(c.dtype));
+  const int64_t row = checked_add(row_elements(c.dtype, c.head_dim_qk), row_elements(c.dtype, c.head_dim_v),
+                                  "PagedKvCache: row elements");
+  checked_mul(checked_mul(c.kv_heads, c.page_size, "PagedKvCache: rows per page"), row, "PagedKvCache: page size");
+  grow(c.pages);
+}
+
+void PagedKvCache::grow(int64_t pages) {
+  const auto& c = config_;
+  const DType et = element_type(c.dtype);
+  auto plane = [&](Tensor& t, DType type, int64_t width) {
+    Tensor n(type, {pages, c.kv_heads, c.page_size, width});
+    if (pages_ > 0) std::memcpy(n.raw(), t.raw(), t.nbytes());  // pages keep their numbers
+    t = std::move(n);
+  };
+  plane(k_, et, row_elements(c.dtype, c.head_dim_qk));
+  plane(v_, et, row_elements(c.dtype, c.head_dim_v));
+  if (quant_bits(c.dtype)) {
+    plane(k_scales_, DType::kF32, 2 * quant_groups(c.head_dim_qk));
+    plane(v_scales_, DType::kF32, 2 * quant_groups(c.head_dim_v));
+  }
+  refs_.resize(static_cast<size_t>(pages), 0);
+  for (int64_t p = pages - 1; p >= pages_; --p) free_.push_back(p);  // lowest page taken first
+  pages_ = pages;
+}
+
+int64_t PagedKvCache::take_page() {
+  if (free_.empty()) {
+    const int64_t want = config_.max_pages > 0 ? std::min(2 * pages_, config_.max_pages) : 2 * pages_;
+    MHA_CHECK(want > pages_, "PagedKvCache: the pool is full ({} pages of {} positions, max_pages {})", pages_,
+              config_.page_size, config_.max_pages);
+    grow(want);
+  }
+  const int64_t p = free_.back();
+  free_.pop_back();
+  refs_[p] = 1;
+  return p;
+}
+
+void PagedKvCache::release_page(int64_t page) {
+  if (--refs_[page] == 0) free_.push_back(page);
+}
+
+void PagedKvCache::copy_page(int64_t from, int64_t to) {
+  for (Tensor* t : {&k_, &v_, &k_scales_, &v_scales_}) {
+    if (!t->defined()) continue;
+    const size_t bytes = t->nbytes() / static_cast<size_t>(pages_);
+    std::memcpy(static_cast<std::byte*>(t->raw()) + to * bytes, static_cast<const std::byte*>(t->raw()) + from * bytes,
+                bytes);
+  }
+}
+
+const PagedKvCache::Sequence& PagedKvCache::sequence(int64_t id, const char* accessor) const {
+  MHA_CHECK(id >= 0 && id < static_cast<int64_t>(seqs_.size()) && seqs_[id].live,
+            "PagedKvCache::{}: sequence {} is not live (ids 0 .. {} were added; freed ones are gone)", accessor, id,
+            static_cast<int64_t>(seqs_.size()) - 1);
+  return seqs_[id];
+}
+PagedKvCache::Sequence& PagedKvCache::sequence(int64_t id, const char* accessor) {
+  return const_cast<Sequence&>(static_cast<const PagedKvCache*>(this)->sequence(id, accessor));
+}
+
+int64_t PagedKvCache::add_sequence() {
+  Sequence s;
+  s.live = true;
+  if (quant_bits(config_.dtype)) s.channels.assign(static_cast<size_t>(config_.kv_heads * config_.head_dim_qk), 1.0f);
+  seqs_.push_back(std::move(s));
+  return static_cast<int64_t>(seqs_.size()) - 1;
+}
+
+int64_t PagedKvCache::fork(int64_t id) {
+  Sequence copy = sequence(id, "fork");
+  for (int64_t p : copy.table) ++refs_[p];
+  seqs_.push_back(std::move(copy));
+  return static_cast<int64_t>(seqs_.size()) - 1;
+}
+
+void PagedKvCache::free_sequence(int64_t id) {
+  Sequence& s = sequence(id, "free_sequence");
+  for (int64_t p : s.table) release_page(p);
+  s = Sequence();  // not live
+}
+
+int64_t PagedKvCache::length(int64_t id) const { return sequence(id, "length").length; }
+const std::vector<int64_t>& PagedKvCache::block_table(int64_t id) const { return sequence(id, "block_table").table; }
+int64_t PagedKvCache::first_position(int64_t id) const {
+  return sequence(id, "first_position").first_page * config_.page_size;
+}
+const std::vector<float>& PagedKvCache::key_channel_scales(int64_t id) const {
+  return sequence(id, "key_channel_scales").channels;
+}
+
+std::vector<int64_t> PagedKvCache::sequences() const {
+  std::vector<int64_t> ids;
+  for (size_t i = 0; i < seqs_.size(); ++i)
+    if (seqs_[i].live) ids.push_back(static_cast<int64_t>(i));
+  return ids;
+}
+
+int64_t PagedKvCache::references(int64_t page) const {
+  MHA_CHECK(page >= 0 && page < pages_, "PagedKvCache::references: page {} outside [0, {})", page, pages_);
+  return refs_[page];
+}
+
+int64_t PagedKvCache::nbytes() const {
+  size_t n = k_.nbytes() + v_.nbytes();
+  if (k_scales_.defined()) n += k_scales_.nbytes() + v_scales_.nbytes();
+  return static_cast<int64_t>(n);
+}
+
+void PagedKvCache::append(int64_t id, const View<const float>& k, const View<const float>& v) {
+  const auto& c = config_;
+  sequence(id, "append");  // checks id first
+  MHA_CHECK(k.rank == 3 && k.shape[0] == c.kv_heads && k.shape[2] == c.head_dim_qk,
+            "PagedKvCache::append: keys must be (Hkv, n, Dk) = ({}, n, {}); got {}", c.kv_heads, c.head_dim_qk,
+            shape_string(k));
+  MHA_CHECK(v.rank == 3 && v.shape[0] == c.kv_heads && v.shape[1] == k.shape[1] && v.shape[2] == c.head_dim_v,
+            "PagedKvCache::append: values must be (Hkv, n, Dv) = ({}, {}, {}); got {}", c.kv_heads, k.shape[1],
+            c.head_dim_v, shape_string(v));
+  MHA_CHECK((k.numel() == 0 || k.data) && (v.numel() == 0 || v.data),
+            "PagedKvCache::append: keys {} or values {} have a null data pointer", shape_string(k), shape_string(v));
+  const int64_t n = k.shape[1], P = c.page_size;
+  if (n == 0) return;
+  // Take every page needed before writing anything: a full pool leaves the sequence unchanged.
+  Sequence& s = seqs_[id];
+  const int64_t end = checked_add(s.length, n, "PagedKvCache::append: length");
+  const int64_t have = (s.first_page + static_cast<int64_t>(s.table.size())) * P;
+  const int64_t partial = s.length % P != 0 ? s.table.back() : -1;
+  const bool copy_last = partial >= 0 && refs_[partial] > 1;  // shared with a fork: copy on write
+  const int64_t new_pages = (std::max<int64_t>(end - have, 0) + P - 1) / P + (copy_last ? 1 : 0);
+  std::vector<int64_t> taken;
+  try {
+    for (int64_t i = 0; i < new_pages; ++i) taken.push_back(take_page());
+  } catch (...) {
+    for (int64_t p : taken) release_page(p);
+    throw;
+  }
+  if (copy_last) {
+    const int64_t fresh = taken.back();
+    taken.pop_back();
+    copy_page(partial, fresh);
+    release_page(partial);
+    s.table.back() = fresh;
+  }
+  s.table.insert(s.table.end(), taken.begin(), taken.end());
+
+  const int bits = quant_bits(c.dtype);
+  if (bits && !s.channels_fixed) {
+    for (int64_t h = 0; h < c.kv_heads; ++h)
+      channel_scales(k.data + h * k.stride[0], k.stride[1], k.stride[2], n, c.head_dim_qk,
+                     s.channels.data() + h * c.head_dim_qk);
+    s.channels_fixed = true;
+  }
+  std::vector<float> inv(bits ? static_cast<size_t>(c.head_dim_qk) : 0);
+  const int64_t kw = k_.shape()[3], vw = v_.shape()[3], es = static_cast<int64_t>(dtype_size(k_.dtype()));
+  for (int64_t h = 0; h < c.kv_heads; ++h) {
+    for (size_t e = 0; e < inv.size(); ++e) inv[e] = 1.0f / s.channels[h * c.head_dim_qk + static_cast<int64_t>(e)];
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = s.length + t;
+      const int64_t page = s.table[pos / P - s.first_page];
+      const int64_t row = (page * c.kv_heads + h) * P + pos % P;
+      write_row(k.data + h * k.stride[0] + t * k.stride[1], k.stride[2], c.head_dim_qk, c.dtype,
+                bits ? inv.data() : nullptr, static_cast<std::byte*>(k_.raw()) + row * kw * es,
+                bits ? k_scales_.data<float>() + row * k_scales_.shape()[3] : nullptr);
+      write_row(v.data + h * v.stride[0] + t * v.stride[1], v.stride[2], c.head_dim_v, c.dtype, nullptr,
+                static_cast<std::byte*>(v_.raw()) + row * vw * es,
+                bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);
+    }
+  }
+  s.length = end;
+  if (c.window > 0) {  // release the pages wholly before the last `window` positions
+    while (!s.table.empty() && (s.first_page + 1) * P <= s.length - c.window) {
+      release_page(s.table.front());
+      s.table.erase(s.table.begin());
+      ++s.first_page;
+    }
+  }
+}
+
+Tensor PagedKvCache::as_float(int64_t id, bool keys) const {
+  const Sequence& s = sequence(id, keys ? "keys_as_float" : "values_as_float");
+  const auto& c = config_;
+  const int64_t P = c.page_size, first = s.first_page * P, D = keys ? c.head_dim_qk : c.head_dim_v;
+  const Tensor& data = keys ? k_ : v_;
+  const Tensor& scales = keys ? k_scales_ : v_scales_;
+  const int64_t es = static_cast<int64_t>(dtype_size(data.dtype())), width = data.shape()[3];
+  Tensor out(DType::kF32, {c.kv_heads, s.length - first, D});
+  for (int64_t h = 0; h < c.kv_heads; ++h)
+    for (int64_t pos = first; pos < s.length; ++pos) {
+      const int64_t row = (s.table[pos / P - s.first_page] * c.kv_heads + h) * P + pos % P;
+      read_row(static_cast<const std::byte*>(data.raw()) + row * width * es,
+               scales.defined() ? scales.data<float>() + row * scales.shape()[3] : nullptr,
+               keys && !s.channels.empty() ? s.channels.data() + h * D : nullptr, D, c.dtype,
+               out.data<float>() + (h * (s.length - first) + pos - first) * D);
+    }
+  return out;
+}
+
+Tensor PagedKvCache::keys_as_float(int64_t id) const { return as_float(id, true); }
+Tensor PagedKvCache::values_as_float(int64_t id) const { return as_float(id, false); }
+
+void attend(const View<const float>& q, const PagedKvCache& cache, const std::vector<int64_t>& ids,
+            const View<float>& out, const AttentionOptions& options) {
+  const PagedKvCacheConfig& c = cache.config();
+  const int64_t S = static_cast<int64_t>(ids.size());
+  MHA_CHECK(q.rank == 4 && q.shape[0] == S && q.shape[1] > 0 && q.shape[1] % c.kv_heads == 0 &&
+                q.shape[3] == c.head_dim_qk,
+            "attend: query must be (S, Hq, n, Dk) with S = {} sequences, Hq a multiple of kv_heads = {}, Dk = {}; "
+            "got {}",
+            S, c.kv_heads, c.head_dim_qk, shape_string(q));
+  MHA_CHECK(out.rank == 4 && out.shape[0] == S && out.shape[1] == q.shape[1] && out.shape[2] == q.shape[2] &&
+                out.shape[3] == c.head_dim_v,
+            "attend: out must be (S, Hq, n, Dv) = ({}, {}, {}, {}); got {}", S, q.shape[1], q.shape[2], c.head_dim_v,
+            shape_string(out));
+  MHA_CHECK((q.numel() == 0 || q.data) && (out.numel() == 0 || out.data),
+            "attend: query {} or out {} has a null data pointer", shape_string(q), shape_string(out));
+  MHA_CHECK(options.causal == Causal::kNone && options.window == 0 && options.dropout_p == 0.0f,
+            "attend: causal masking and the window come from the cache; options.causal, window and dropout_p must "
+            "be unset");
+  for (int64_t s = 0; s < S; ++s)
+    MHA_CHECK(cache.length(ids[s]) >= q.shape[2], "attend: sequence {} holds {} positions, fewer than the {} queries",
+              ids[s], cache.length(ids[s]), q.shape[2]);
+  ops::attention_over_paged_cache(q, cache, ids, out, options);
+}
+
+}  // namespace mha

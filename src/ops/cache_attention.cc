@@ -1,0 +1,198 @@
+// Attention over KV cache storage read in place by the decode kernel: an int8/int4 KvCache's
+// codes, and a PagedKvCache's pool through block tables (every storage type). The caches have
+// checked their own consistency; these build the kernel's parameters.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/attention_params.h"
+#include "kernels/cpu/flash.h"
+#include "mha/paged_kv_cache.h"
+#include "modules/kv_storage.h"
+#include "ops/attention_internal.h"
+#include "util/check.h"
+#include "util/convert.h"
+
+namespace mha::ops {
+namespace {
+
+kernels::Strides4 strides_of(const std::array<int64_t, kMaxRank>& s) { return {s[0], s[1], s[2], s[3]}; }
+
+// The parameters every cache decode shares: queries and output (B, Hq, n, D) of element type
+// `dtype`, kv heads and head dims, scale, bottom-right causal offsets (or none), window.
+template <typename T>
+kernels::AttentionParams decode_params(const View<const T>& q, const View<T>& out, int64_t kv_heads, int64_t dk,
+                                       int64_t dv, const AttentionOptions& options, const int64_t* causal_offset,
+                                       int64_t window) {
+  kernels::AttentionParams p;
+  p.batch = q.shape[0];
+  p.q_heads = q.shape[1];
+  p.kv_heads = kv_heads;
+  p.q_len = q.shape[2];
+  p.head_dim_qk = dk;
+  p.head_dim_v = dv;
+  p.dtype = DTypeOf<T>::value;
+  p.q = q.data;
+  p.q_stride = strides_of(q.stride);
+  p.out = out.data;
+  p.out_stride = strides_of(out.stride);
+  p.scale = options.scale ? *options.scale : 1.0f / std::sqrt(static_cast<float>(dk));
+  MHA_CHECK(std::isfinite(p.scale), "attention: scale must be finite; got {}", p.scale);
+  p.causal = causal_offset ? Causal::kBottomRight : Causal::kNone;
+  p.causal_offset = causal_offset;
+  p.window = causal_offset ? window : 0;
+  return p;
+}
+
+// The decode over a paged pool in element type T (float for float32, int8 and int4 pools).
+template <typename T>
+void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::vector<int64_t>& ids, const View<T>& out,
+                  const AttentionOptions& options) {
+  const PagedKvCacheConfig& c = cache.config();
+  const int64_t S = q.shape[0], n = q.shape[2], P = c.page_size;
+  std::vector<int64_t> lengths(static_cast<size_t>(S)), offsets(static_cast<size_t>(S));
+  size_t width = 1;  // block table entries per sequence
+  for (int64_t s = 0; s < S; ++s) width = std::max(width, cache.block_table(ids[s]).size());
+  std::vector<int64_t> table(static_cast<size_t>(S) * width, 0);
+  const bool quantized = kv_storage::quant_bits(c.dtype) != 0;
+  std::vector<float> channels(quantized ? static_cast<size_t>(S * c.kv_heads * c.head_dim_qk) : 0);
+  int64_t kv_len = n;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t first = cache.first_position(ids[s]);  // kernel key j is position first + j
+    lengths[s] = cache.length(ids[s]) - first;
+    offsets[s] = lengths[s] - n;
+    kv_len = std::max(kv_len, lengths[s]);
+    const std::vector<int64_t>& t = cache.block_table(ids[s]);
+    std::copy(t.begin(), t.end(), table.begin() + static_cast<int64_t>(s * width));
+    if (quantized) {
+      const std::vector<float>& ch = cache.key_channel_scales(ids[s]);
+      std::copy(ch.begin(), ch.end(), channels.begin() + s * c.kv_heads * c.head_dim_qk);
+    }
+  }
+  kernels::AttentionParams p =
+      decode_params(q, out, c.kv_heads, c.head_dim_qk, c.head_dim_v, options, offsets.data(), c.window);
+  p.kv_len = kv_len;
+  p.key_lengths = lengths.data();
+  p.key_lengths_stride = 1;
+  p.block_table = table.data();
+  p.block_table_stride = static_cast<int64_t>(width);
+  p.page_shift = static_cast<int>(std::lround(std::log2(static_cast<double>(P))));
+  const Tensor& kp = cache.key_pool();
+  const Tensor& vp = cache.value_pool();
+  p.k = kp.raw();
+  p.v = vp.raw();
+  p.k_stride = {c.kv_heads * P * kp.shape()[3], P * kp.shape()[3], kp.shape()[3], 1};
+  p.v_stride = {c.kv_heads * P * vp.shape()[3], P * vp.shape()[3], vp.shape()[3], 1};
+  if (quantized) {
+    const Tensor& ks = cache.key_scale_pool();
+    const Tensor& vs = cache.value_scale_pool();
+    p.kv_bits = kv_storage::quant_bits(c.dtype);
+    p.k_scales = ks.data<float>();
+    p.v_scales = vs.data<float>();
+    p.k_scale_stride = {c.kv_heads * P * ks.shape()[3], P * ks.shape()[3], ks.shape()[3], 1};
+    p.v_scale_stride = {c.kv_heads * P * vs.shape()[3], P * vs.shape()[3], vs.shape()[3], 1};
+    p.k_channel_scales = channels.data();
+    p.k_channel_stride = {c.kv_heads * c.head_dim_qk, c.head_dim_qk, 1, 0};
+  }
+  if (kernels::decode_applies(p)) {
+    kernels::flash_decode(p, options.num_threads);
+    return;
+  }
+  // More query rows than the decode kernel takes: each sequence over a float32 copy of its
+  // positions (widened or dequantized), as attention() in T.
+  for (int64_t s = 0; s < S; ++s) {
+    Tensor kt = cache.keys_as_float(ids[s]), vt = cache.values_as_float(ids[s]);
+    if constexpr (!std::is_same_v<T, float>) {
+      kt = kt.converted(DTypeOf<T>::value);  // exact: the pool holds T
+      vt = vt.converted(DTypeOf<T>::value);
+    }
+    auto one = [&](const auto& x) {  // sequence s of a (S, H, n, D) view as (1, H, n, D)
+      using V = std::remove_cv_t<std::remove_reference_t<decltype(x)>>;
+      return V(x.data + s * x.stride[0], {1, x.shape[1], x.shape[2], x.shape[3]},
+               {x.stride[0], x.stride[1], x.stride[2], x.stride[3]});
+    };
+    const int64_t L = lengths[s];
+    BasicAttentionInputs<T> in;
+    in.query = one(q);
+    in.key = View<const T>(kt.data<T>(), {1, c.kv_heads, L, c.head_dim_qk});
+    in.value = View<const T>(vt.data<T>(), {1, c.kv_heads, L, c.head_dim_v});
+    BasicAttentionOutputs<T> o;
+    o.out = one(out);
+    AttentionOptions opt = options;
+    opt.causal = Causal::kBottomRight;
+    opt.window = c.window;
+    attention(in, o, opt);
+  }
+}
+
+// x (S, H, n, D) float32 rounded to T, contiguous.
+template <typename T>
+Tensor rounded(const View<const float>& x) {
+  Tensor t(DType::kF32, {x.shape[0], x.shape[1], x.shape[2], x.shape[3]});
+  const View<float> tv = t.view<float>();
+  for (int64_t a = 0; a < x.shape[0]; ++a)
+    for (int64_t b = 0; b < x.shape[1]; ++b)
+      for (int64_t i = 0; i < x.shape[2]; ++i)
+        for (int64_t e = 0; e < x.shape[3]; ++e) tv.at(a, b, i, e) = x.at(a, b, i, e);
+  return t.converted(DTypeOf<T>::value);
+}
+
+}  // namespace
+
+bool attention_over_quantized_cache(const View<const float>& q, const KvCache& cache, const View<float>& out,
+                                    const AttentionOptions& options, const int64_t* causal_offset) {
+  const KvCacheConfig& c = cache.config();
+  MHA_CHECK(cache.quantized() && q.rank == 4 && out.rank == 4 && q.shape[0] == c.batch &&
+                q.shape[1] % c.kv_heads == 0 && q.shape[3] == c.head_dim_qk && out.shape[0] == q.shape[0] &&
+                out.shape[1] == q.shape[1] && out.shape[2] == q.shape[2] && out.shape[3] == c.head_dim_v,
+            "attention over a {} cache: query {} and output {} do not fit it", cache_type_name(c.dtype),
+            shape_string(q), shape_string(out));
+  std::vector<int64_t> lengths(static_cast<size_t>(c.batch));
+  for (int64_t b = 0; b < c.batch; ++b) lengths[b] = cache.stored(b);
+  const View<const uint8_t> kc = cache.key_codes(), vc = cache.value_codes();
+  const View<const float> ks = cache.key_scales(), vs = cache.value_scales(), ch = cache.key_channel_scales();
+  kernels::AttentionParams p =
+      decode_params(q, out, c.kv_heads, c.head_dim_qk, c.head_dim_v, options, causal_offset, 0);
+  p.kv_len = cache.capacity();
+  p.key_lengths = lengths.data();
+  p.key_lengths_stride = 1;
+  p.k = kc.data;
+  p.k_stride = strides_of(kc.stride);
+  p.v = vc.data;
+  p.v_stride = strides_of(vc.stride);
+  p.kv_bits = kv_storage::quant_bits(c.dtype);
+  p.k_scales = ks.data;
+  p.k_scale_stride = strides_of(ks.stride);
+  p.v_scales = vs.data;
+  p.v_scale_stride = strides_of(vs.stride);
+  p.k_channel_scales = ch.data;
+  p.k_channel_stride = {ch.stride[0], ch.stride[1], ch.stride[2], 0};
+  if (!kernels::decode_applies(p)) return false;
+  kernels::flash_decode(p, options.num_threads);
+  return true;
+}
+
+void attention_over_paged_cache(const View<const float>& q, const PagedKvCache& cache, const std::vector<int64_t>& ids,
+                                const View<float>& out, const AttentionOptions& options) {
+  auto in_type = [&](auto tag) {  // 16-bit pools: queries rounded to T, the result widened back
+    using T = decltype(tag);
+    const Tensor q16 = rounded<T>(q);
+    Tensor o16(DTypeOf<T>::value, {out.shape[0], out.shape[1], out.shape[2], out.shape[3]});
+    paged_decode<T>(q16.view<T>(), cache, ids, o16.view<T>(), options);
+    const Tensor wide = o16.converted(DType::kF32);
+    const View<const float> w = wide.view<float>();
+    for (int64_t a = 0; a < out.shape[0]; ++a)
+      for (int64_t b = 0; b < out.shape[1]; ++b)
+        for (int64_t i = 0; i < out.shape[2]; ++i)
+          for (int64_t e = 0; e < out.shape[3]; ++e) out.at(a, b, i, e) = w.at(a, b, i, e);
+  };
+  switch (cache.config().dtype) {
+    case CacheType::kBF16: in_type(bfloat16{}); break;
+    case CacheType::kF16: in_type(float16{}); break;
+    default: paged_decode<float>(q, cache, ids, out, options); break;
+  }
+}
+
+}  // namespace mha::ops

@@ -1,0 +1,190 @@
+// PagedKvCache: batched decoding over sequences of different lengths equals attend() over one
+// KvCache per sequence holding the same positions (every storage type, GQA, windows, page
+// sizes, the decode kernel and the many-query fallback, any thread count); fork shares pages and
+// copies a shared partial page on write; freeing, the window and a full pool keep the pool
+// consistent; bad ids are errors.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "mha/kv_cache.h"
+#include "mha/paged_kv_cache.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+constexpr CacheType kTypes[] = {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8,
+                                CacheType::kInt4};
+
+// (Hkv, n, D) rows [t0, t0 + n) of x (Hkv, T, D) as a view.
+View<const float> rows(const Tensor& x, int64_t t0, int64_t n) {
+  const int64_t H = x.shape()[0], T = x.shape()[1], D = x.shape()[2];
+  return View<const float>(x.data<float>() + t0 * D, {H, n, D}, {T * D, D, 1});
+}
+
+// The same rows as (1, Hkv, n, D) for a KvCache of batch 1.
+View<const float> rows4(const Tensor& x, int64_t t0, int64_t n) {
+  const int64_t H = x.shape()[0], T = x.shape()[1], D = x.shape()[2];
+  return View<const float>(x.data<float>() + t0 * D, {1, H, n, D}, {H * T * D, T * D, D, 1});
+}
+
+TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
+  Rng rng(base_seed() + 1000);
+  for (CacheType type : kTypes) {
+    for (int trial = 0; trial < 6; ++trial) {
+      PagedKvCacheConfig pc;
+      pc.kv_heads = rng.range(1, 2);
+      const int64_t G = trial % 3 == 2 ? 8 : rng.range(1, 4);
+      pc.head_dim_qk = std::vector<int64_t>{16, 40, 64}[rng.range(0, 2)];
+      pc.head_dim_v = rng.coin() ? pc.head_dim_qk : 24;
+      pc.page_size = rng.coin() ? 16 : 64;
+      pc.pages = 2;  // grows
+      pc.window = trial % 3 == 1 ? rng.range(5, 70) : 0;
+      pc.dtype = type;
+      PagedKvCache paged(pc);
+      const int64_t S = rng.range(1, 5), n = pc.window > 0 ? 1 : rng.range(1, 3);
+      std::vector<int64_t> ids;
+      std::vector<KvCache> alone;
+      std::vector<Tensor> ks, vs;
+      for (int64_t s = 0; s < S; ++s) {
+        ids.push_back(paged.add_sequence());
+        KvCacheConfig kc;
+        kc.kv_heads = pc.kv_heads;
+        kc.head_dim_qk = pc.head_dim_qk;
+        kc.head_dim_v = pc.head_dim_v;
+        kc.window = pc.window;
+        kc.dtype = type;
+        alone.emplace_back(kc);
+        const int64_t L = rng.range(n, 300);
+        ks.push_back(random_tensor(rng, {pc.kv_heads, L, pc.head_dim_qk}));
+        vs.push_back(random_tensor(rng, {pc.kv_heads, L, pc.head_dim_v}));
+      }
+      // Append in chunks, interleaving the sequences (pages of different sequences mix).
+      for (bool more = true; more;) {
+        more = false;
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t L = ks[s].shape()[1], at = paged.length(ids[s]);
+          if (at == L) continue;
+          const int64_t c = std::min(L - at, rng.range(1, 90));
+          paged.append(ids[s], rows(ks[s], at, c), rows(vs[s], at, c));
+          alone[s].append(rows4(ks[s], at, c), rows4(vs[s], at, c));
+          more = true;
+        }
+      }
+      const int64_t Hq = pc.kv_heads * G;
+      const Tensor q = random_tensor(rng, {S, Hq, n, pc.head_dim_qk});
+      Tensor got(DType::kF32, {S, Hq, n, pc.head_dim_v}), again(DType::kF32, {S, Hq, n, pc.head_dim_v});
+      AttentionOptions one, two;
+      one.num_threads = 1;
+      two.num_threads = 2;
+      attend(q.view<float>(), paged, ids, got.view<float>(), two);
+      attend(q.view<float>(), paged, ids, again.view<float>(), one);
+      SCOPED_TRACE(std::string(cache_type_name(type)) + " trial " + std::to_string(trial) + " S " +
+                   std::to_string(S) + " G " + std::to_string(G) + " page " + std::to_string(pc.page_size) +
+                   " window " + std::to_string(pc.window) + " n " + std::to_string(n));
+      EXPECT_TRUE(bitwise_equal(got, again));
+      for (int64_t s = 0; s < S; ++s) {
+        const View<const float> qs(q.data<float>() + s * Hq * n * pc.head_dim_qk, {1, Hq, n, pc.head_dim_qk});
+        Tensor want(DType::kF32, {1, Hq, n, pc.head_dim_v});
+        attend(qs, alone[s], want.view<float>(), two);
+        const View<const float> gs(got.data<float>() + s * Hq * n * pc.head_dim_v, {1, Hq, n, pc.head_dim_v});
+        // Same stored values, the same kernel family: float32 rounding apart (the chunking of
+        // the keys over threads differs); a 16-bit result may round to the neighbouring value.
+        const double bound = type == CacheType::kBF16 ? 1.0 / 128 : type == CacheType::kF16 ? 1.0 / 1024 : 1e-5;
+        EXPECT_LE(rel_error(gs, want.view<float>()), bound) << "sequence " << s;
+      }
+    }
+  }
+}
+
+TEST(PagedKvCache, ForkSharesPagesAndCopiesOnWrite) {
+  for (CacheType type : {CacheType::kF32, CacheType::kInt8}) {
+    PagedKvCacheConfig pc;
+    pc.kv_heads = 2;
+    pc.head_dim_qk = pc.head_dim_v = 32;
+    pc.page_size = 16;
+    pc.pages = 4;
+    pc.dtype = type;
+    PagedKvCache cache(pc);
+    Rng rng(base_seed() + 1001);
+    const Tensor k = random_tensor(rng, {2, 80, 32}), v = random_tensor(rng, {2, 80, 32});
+    const int64_t a = cache.add_sequence();
+    cache.append(a, rows(k, 0, 70), rows(v, 0, 70));  // 4 full pages and 6 positions of a fifth
+    const int64_t b = cache.fork(a);
+    EXPECT_EQ(cache.length(b), 70);
+    EXPECT_EQ(cache.block_table(b), cache.block_table(a));
+    for (int64_t p : cache.block_table(a)) EXPECT_EQ(cache.references(p), 2);
+    const Tensor a_before = cache.keys_as_float(a);
+    const Tensor k2 = random_tensor(rng, {2, 3, 32}), v2 = random_tensor(rng, {2, 3, 32});
+    cache.append(b, k2.view<float>(), v2.view<float>());  // copies the shared partial page
+    EXPECT_NE(cache.block_table(b).back(), cache.block_table(a).back());
+    EXPECT_EQ(cache.references(cache.block_table(a).back()), 1);
+    EXPECT_TRUE(bitwise_equal(cache.keys_as_float(a), a_before));  // a unchanged
+    const Tensor kb = cache.keys_as_float(b);
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t t = 0; t < 70; ++t)
+        for (int64_t e = 0; e < 32; ++e)
+          ASSERT_EQ(kb.view<float>().at(h, t, e), a_before.view<float>().at(h, t, e)) << h << " " << t;
+    const std::vector<int64_t> shared(cache.block_table(a).begin(), cache.block_table(a).end() - 1);
+    cache.append(a, rows(k, 70, 10), rows(v, 70, 10));  // in place: fills a's fifth page
+    EXPECT_EQ(cache.block_table(a).size(), 5u);
+    for (int64_t p : shared) EXPECT_EQ(cache.references(p), 2);
+    const int64_t free_before = cache.free_pages();
+    cache.free_sequence(a);
+    EXPECT_EQ(cache.free_pages(), free_before + 1);  // a's own page; the shared four stay with b
+    for (int64_t p : shared) EXPECT_EQ(cache.references(p), 1);
+    expect_error([&] { cache.length(a); }, {"length", "sequence 0", "not live"});
+    expect_error([&] { cache.append(a, k2.view<float>(), v2.view<float>()); }, {"append", "sequence 0"});
+    expect_error([&] { cache.fork(7); }, {"fork", "sequence 7"});
+    cache.free_sequence(b);
+    EXPECT_EQ(cache.free_pages(), cache.pages());
+    EXPECT_TRUE(cache.sequences().empty());
+  }
+}
+
+TEST(PagedKvCache, WindowReleasesPagesAndAFullPoolChangesNothing) {
+  PagedKvCacheConfig pc;
+  pc.kv_heads = 1;
+  pc.head_dim_qk = pc.head_dim_v = 16;
+  pc.page_size = 16;
+  pc.pages = 2;
+  pc.max_pages = 8;
+  pc.window = 20;
+  PagedKvCache cache(pc);
+  Rng rng(base_seed() + 1002);
+  const Tensor k = random_tensor(rng, {1, 200, 16}), v = random_tensor(rng, {1, 200, 16});
+  const int64_t s = cache.add_sequence();
+  for (int64_t t = 0; t < 100; ++t) cache.append(s, rows(k, t, 1), rows(v, t, 1));
+  EXPECT_EQ(cache.first_position(s), 80);  // pages wholly before position 80 went back
+  EXPECT_EQ(cache.block_table(s).size(), 2u);
+  EXPECT_EQ(cache.pages(), 4);  // the window keeps the pool small: 3 pages in use at most
+  // A pool that cannot grow: the append fails and nothing changes.
+  PagedKvCacheConfig small = pc;
+  small.window = 0;
+  small.max_pages = 4;
+  PagedKvCache full(small);
+  const int64_t a = full.add_sequence();
+  full.append(a, rows(k, 0, 60), rows(v, 0, 60));
+  const Tensor before = full.keys_as_float(a);
+  expect_error([&] { full.append(a, rows(k, 60, 20), rows(v, 60, 20)); }, {"pool is full", "4 pages", "max_pages 4"});
+  EXPECT_EQ(full.length(a), 60);
+  EXPECT_EQ(full.free_pages(), 0);
+  EXPECT_TRUE(bitwise_equal(full.keys_as_float(a), before));
+  full.append(a, rows(k, 60, 4), rows(v, 60, 4));  // what still fits
+  EXPECT_EQ(full.length(a), 64);
+  // Bad configurations, shapes and queries.
+  PagedKvCacheConfig bad = pc;
+  bad.page_size = 48;
+  expect_error([&] { PagedKvCache x(bad); }, {"page_size", "power of two", "48"});
+  expect_error([&] { cache.append(s, View<const float>(k.data<float>(), {2, 1, 16}), rows(v, 0, 1)); },
+               {"append", "keys", "(1, n, 16)", "(2, 1, 16)"});
+  Tensor q = random_tensor(rng, {2, 1, 1, 16}), o(DType::kF32, {2, 1, 1, 16});
+  expect_error([&] { attend(q.view<float>(), cache, {s}, o.view<float>()); }, {"attend", "S = 1", "(2, 1, 1, 16)"});
+  expect_error([&] { attend(q.view<float>(), cache, {s, 9}, o.view<float>()); }, {"sequence 9", "not live"});
+  expect_error([&] { cache.references(4); }, {"references", "page 4", "[0, 4)"});
+}
+
+}  // namespace
+}  // namespace mha::test

@@ -1,0 +1,64 @@
+"""mha.PagedKvCache from Python: batched decoding over sequences of different lengths against
+torch's SDPA over each sequence's stored keys and values, fork and free, errors."""
+import numpy as np
+import pytest
+import torch
+
+import mha
+from conftest import record
+
+
+def sdpa_alone(q, k, v):
+    """q (Hq, n, D) over k, v (Hkv, L, D), bottom-right causal, GQA expanded."""
+    G = q.shape[0] // k.shape[0]
+    n, L = q.shape[1], k.shape[1]
+    mask = torch.arange(L)[None, :] <= torch.arange(n)[:, None] + (L - n)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(G, 0), v.repeat_interleave(G, 0), attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", torch.int8, "int4"])
+def test_batched_decode_matches_torch_on_the_stored_values(dtype):
+    torch.manual_seed(5)
+    cache = mha.PagedKvCache(kv_heads=2, head_dim=32, page_size=16, pages=4, dtype=dtype)
+    ids, lengths = [], [5, 40, 17, 64]
+    for L in lengths:
+        s = cache.add_sequence()
+        cache.append(s, torch.randn(2, L, 32), torch.randn(2, L, 32))
+        ids.append(s)
+    q = torch.randn(len(ids), 8, 1, 32)
+    out = cache.attend(q, ids)
+    assert isinstance(out, torch.Tensor) and out.shape == (4, 8, 1, 32)
+    for i, s in enumerate(ids):
+        k = torch.from_numpy(cache.keys_as_float(s)).double()
+        v = torch.from_numpy(cache.values_as_float(s)).double()
+        qs = q[i].double()
+        if cache.dtype == "bfloat16":  # the queries are rounded to the pool's type
+            qs = q[i].bfloat16().double()
+        want = sdpa_alone(qs, k, v)
+        err = float((out[i].double() - want).abs().max() / want.abs().max())
+        record(f"paged decode {cache.dtype}", err)
+        assert err < (1 / 128 if cache.dtype == "bfloat16" else 1e-5)
+
+
+def test_fork_free_and_errors():
+    cache = mha.PagedKvCache(kv_heads=1, head_dim=16, page_size=16, pages=2, max_pages=4)
+    a = cache.add_sequence()
+    cache.append(a, np.random.randn(1, 20, 16).astype(np.float32), np.random.randn(1, 20, 16).astype(np.float32))
+    b = cache.fork(a)
+    assert cache.block_table(a) == cache.block_table(b)
+    assert [cache.references(p) for p in cache.block_table(a)] == [2, 2]
+    cache.append(b, np.ones((1, 1, 16), np.float32), np.ones((1, 1, 16), np.float32))
+    assert cache.block_table(a)[-1] != cache.block_table(b)[-1]
+    cache.free_sequence(a)
+    with pytest.raises(mha.Error, match="sequence 0 is not live"):
+        cache.length(a)
+    with pytest.raises(mha.Error, match="pool is full"):
+        cache.append(b, np.zeros((1, 60, 16), np.float32), np.zeros((1, 60, 16), np.float32))
+    assert cache.length(b) == 21
+    with pytest.raises(mha.Error, match="must be float32"):
+        cache.append(b, np.zeros((1, 1, 16), np.float16), np.zeros((1, 1, 16), np.float16))
+    with pytest.raises(mha.Error, match="page_size must be a power of two"):
+        mha.PagedKvCache(kv_heads=1, head_dim=16, page_size=24)
+    with pytest.raises(mha.Error, match="PagedKvCache: dtype must be .*'int8' or 'int4'; got 'int2'"):
+        mha.PagedKvCache(kv_heads=1, head_dim=16, dtype="int2")
