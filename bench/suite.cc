@@ -12,6 +12,7 @@
 #include "mha/attention.h"
 #include "mha/kv_cache.h"
 #include "mha/paged_kv_cache.h"
+#include "mha/varlen.h"
 #include "mha/multi_head_attention.h"
 
 namespace mha::bench {
@@ -328,6 +329,59 @@ void run_cache_types(const Options& o) {
                r.seconds * 1e3, gb, 100 * gb / read, r.seconds / f32);
   }
   fmt::print("paged: one attend() over 16 sequences of 100 .. 8000 positions in pages of 64; MiB read: their pages\n");
+}
+
+void run_varlen(const Options& o) {
+  const int64_t H = 16, D = 64, S = 16;
+  std::vector<int64_t> lengths;
+  int64_t total = 0, longest = 0;
+  double flops = 0;  // useful work: causal, each sequence alone
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t L = 100 + (1900 * ((s * 7) % 16)) / 15;  // 100 .. 2000, shuffled
+    lengths.push_back(L);
+    total += L;
+    longest = std::max(longest, L);
+    flops += 4.0 * H * D * static_cast<double>(L) * static_cast<double>(L + 1) / 2;
+  }
+  const Tensor q = filled({total, H, D}, 0.5f), k = filled({total, H, D}, 0.25f), v = filled({total, H, D}, 1.0f);
+  Tensor out(DType::kF32, {total, H, D}), cu(DType::kI64, {S + 1});
+  cu.data<int64_t>()[0] = 0;
+  for (int64_t s = 0; s < S; ++s) cu.data<int64_t>()[s + 1] = cu.data<int64_t>()[s] + lengths[s];
+  AttentionOptions opt;
+  opt.num_threads = o.threads;
+  opt.causal = Causal::kBottomRight;
+  const BasicVarlenInputs<float> in{q.view<float>(), k.view<float>(), v.view<float>(), cu.view<int64_t>(),
+                                    cu.view<int64_t>()};
+  const double packed = time_calls([&] { varlen_attention(in, out.view<float>(), {}, opt); }, o.seconds);
+  // One by one: each sequence in its own contiguous (1, H, L, D) tensors.
+  std::vector<Tensor> qs, ks, vs, os;
+  for (int64_t L : lengths) {
+    qs.push_back(filled({1, H, L, D}, 0.5f));
+    ks.push_back(filled({1, H, L, D}, 0.25f));
+    vs.push_back(filled({1, H, L, D}, 1.0f));
+    os.emplace_back(DType::kF32, std::vector<int64_t>{1, H, L, D});
+  }
+  const double alone = time_calls(
+      [&] {
+        for (int64_t s = 0; s < S; ++s)
+          attention({qs[s].view<float>(), ks[s].view<float>(), vs[s].view<float>()}, {os[s].view<float>()}, opt);
+      },
+      o.seconds);
+  // Padded: (S, H, longest, D) with key lengths; bottom-right causal per sequence.
+  const Tensor qp = filled({S, H, longest, D}, 0.5f), kp = filled({S, H, longest, D}, 0.25f);
+  const Tensor vp = filled({S, H, longest, D}, 1.0f);
+  Tensor op(DType::kF32, {S, H, longest, D}), lens(DType::kI64, {S});
+  std::copy(lengths.begin(), lengths.end(), lens.data<int64_t>());
+  AttentionInputs pin{qp.view<float>(), kp.view<float>(), vp.view<float>()};
+  pin.key_lengths = lens.view<int64_t>();
+  const double padded = time_calls([&] { attention(pin, {op.view<float>()}, opt); }, o.seconds);
+  fmt::print("threads {}; causal prefill of {} sequences of 100 .. 2000 tokens (total {}), H = {}, D = {}\n", o.threads,
+             S, total, H, D);
+  fmt::print("{:<28} {:>10} {:>10} {:>12}\n", "", "ms", "GFLOP/s", "× packed");
+  for (auto [name, t] : {std::pair<const char*, double>{"varlen_attention (packed)", packed},
+                         {"one by one", alone}, {"padded batch + key_lengths", padded}}) {
+    fmt::print("{:<28} {:>10.2f} {:>10.1f} {:>11.2f}x\n", name, t * 1e3, flops / t / 1e9, t / packed);
+  }
 }
 
 std::vector<AttentionCase> training_attention_cases() {

@@ -5,6 +5,7 @@
 // consistent; bad ids are errors.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -183,6 +184,17 @@ TEST(PagedKvCache, WindowReleasesPagesAndAFullPoolChangesNothing) {
   Tensor q = random_tensor(rng, {2, 1, 1, 16}), o(DType::kF32, {2, 1, 1, 16});
   expect_error([&] { attend(q.view<float>(), cache, {s}, o.view<float>()); }, {"attend", "S = 1", "(2, 1, 1, 16)"});
   expect_error([&] { attend(q.view<float>(), cache, {s, 9}, o.view<float>()); }, {"sequence 9", "not live"});
+  // A NaN in one sequence's keys stays in that sequence's rows.
+  const int64_t t = cache.add_sequence();
+  Tensor kn = random_tensor(rng, {1, 30, 16});
+  kn.view<float>().at(0, 25, 5) = std::nanf("");  // inside the window of t's next query
+  cache.append(t, kn.view<float>(), rows(v, 0, 30));
+  Tensor q2 = random_tensor(rng, {2, 1, 1, 16}), o2(DType::kF32, {2, 1, 1, 16});
+  attend(q2.view<float>(), cache, {s, t}, o2.view<float>());
+  for (int64_t e = 0; e < 16; ++e) {
+    EXPECT_TRUE(std::isfinite(o2.view<float>().at(0, 0, 0, e)));
+    EXPECT_TRUE(std::isnan(o2.view<float>().at(1, 0, 0, e)));
+  }
   expect_error([&] { cache.references(4); }, {"references", "page 4", "[0, 4)"});
 }
 

@@ -28,6 +28,7 @@ struct BenchArgs {
   bool train = false;
   bool peak = false;
   bool dtypes = false;
+  bool varlen = false;
   std::string csv, json;
 };
 

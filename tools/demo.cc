@@ -96,6 +96,17 @@ void run_generation(int threads) {
              static_cast<double>(n - 1) / decode);
   fmt::print("  first 16 tokens equal to recomputing the whole sequence each step: {}\n", same ? "yes" : "NO");
   fmt::print("  output bytes (gibberish: the weights are random): {}\n", shown.substr(0, 72));
+  // The same generation from KV caches of every storage type.
+  fmt::print("  {:<9} {:>10} {:>10} {:>26}\n", "KV cache", "cache MiB", "tokens/s", "tokens equal to float32's");
+  for (CacheType t : {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8, CacheType::kInt4}) {
+    double tp = 0, td = 0;
+    int64_t bytes = 0;
+    const std::vector<int32_t> o = model.generate(prompt, n, &tp, &td, t, &bytes);
+    int64_t equal = 0;
+    while (equal < n && o[equal] == out[equal]) ++equal;
+    fmt::print("  {:<9} {:>10.2f} {:>10.0f} {:>21} / {}\n", cache_type_name(t), static_cast<double>(bytes) / (1 << 20),
+               static_cast<double>(n - 1) / td, equal, n);
+  }
 }
 
 // Training with MultiHeadAttention::backward and Adam: TinyGpt learns to reverse digit

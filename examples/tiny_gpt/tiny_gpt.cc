@@ -313,7 +313,7 @@ Tensor TinyGpt::forward(const std::vector<int32_t>& tokens, int64_t B, int64_t T
 }
 
 std::vector<int32_t> TinyGpt::generate(const std::vector<int32_t>& prompt, int64_t n, double* prefill_seconds,
-                                       double* decode_seconds, CacheType cache_type) const {
+                                       double* decode_seconds, CacheType cache_type, int64_t* cache_bytes) const {
   std::vector<KvCache> caches;
   for (const Block& blk : blocks_)
     caches.push_back(blk.attn.make_cache(1, static_cast<int64_t>(prompt.size()) + n, cache_type));
@@ -336,6 +336,10 @@ std::vector<int32_t> TinyGpt::generate(const std::vector<int32_t>& prompt, int64
     if (i + 1 < n) next = run({next}, static_cast<int64_t>(prompt.size()) + i);
   }
   if (decode_seconds) *decode_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (cache_bytes) {
+    *cache_bytes = 0;
+    for (const KvCache& kc : caches) *cache_bytes += kc.nbytes();
+  }
   return out;
 }
 

@@ -35,9 +35,10 @@ class TinyGpt {
 
   // Greedy decoding with one KV cache per layer: prefill the prompt in one step, then one token
   // per step. Returns the n new tokens; prefill_seconds / decode_seconds if not null. The caches
-  // store keys and values as cache_type.
+  // store keys and values as cache_type; cache_bytes (if not null) gets their total size.
   std::vector<int32_t> generate(const std::vector<int32_t>& prompt, int64_t n, double* prefill_seconds = nullptr,
-                                double* decode_seconds = nullptr, CacheType cache_type = CacheType::kF32) const;
+                                double* decode_seconds = nullptr, CacheType cache_type = CacheType::kF32,
+                                int64_t* cache_bytes = nullptr) const;
 
   // Training with teacher forcing: the mean cross-entropy of the next-token logits over the
   // positions whose target is >= 0 (others are ignored), with gradients *added* to the buffers

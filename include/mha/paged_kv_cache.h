@@ -14,7 +14,10 @@
 // key channel scales, inherited by forks). With window = W > 0 a sequence's pages that lie wholly
 // before its last W positions go back to the pool. The pool grows by doubling when it runs out,
 // up to max_pages (0: no limit); beyond that an append is an mha::Error and nothing changes.
-// Any bad id (never added, or freed) is an mha::Error and leaves the pool as it was.
+// Any bad id (never added, or freed) is an mha::Error and leaves the pool as it was. A NaN or
+// infinity among a sequence's keys or values makes the outputs of its rows that attend to it
+// non-finite (possibly NaN where attention() would give ±inf); other rows and sequences are
+// unaffected.
 #ifndef MHA_PAGED_KV_CACHE_H_
 #define MHA_PAGED_KV_CACHE_H_
 

@@ -417,9 +417,10 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
       p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
           nan_score ? std::numeric_limits<float>::quiet_NaN() : masked ? kNegInf : static_cast<float>(mx + std::log(sum));
     }
-    // As in the forward: a non-finite value must reach only the rows that attend to it. (A
-    // quantized cache has no float copy to recompute from: a non-finite group is NaN anyway.)
-    if (nonfinite && p.kv_bits == 0) attention_ref_output_row(p, b, h, i);
+    // As in the forward: a non-finite value must reach only the rows that attend to it. (Cache
+    // storage read in place — quantized codes, paged pools — has no layout the reference reads:
+    // there a non-finite value stays in the rows that read it; a quantized group is NaN anyway.)
+    if (nonfinite && p.kv_bits == 0 && !p.block_table) attention_ref_output_row(p, b, h, i);
   }
 }
 
