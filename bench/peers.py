@@ -147,6 +147,44 @@ def backward_table(args):
     return "\n".join(lines) + "\n" + note
 
 
+def decode_table(args):
+    """One decoding step (GQA 32/8, D = 128, 32768 positions: a 256 MiB float32 cache) from mha's
+    caches of every storage type against torch SDPA over the cache as float32 (a torch user's
+    quantized cache, dequantized to float32 first; the dequantization is not timed) and over
+    bfloat16 K/V. Also the output error against torch float64 on the float32 values."""
+    Hq, Hkv, D, L = 32, 8, 128, 32768
+    gen = torch.Generator().manual_seed(0)
+    k = torch.rand(Hkv, L, D, generator=gen) * 2 - 1
+    v = torch.rand(Hkv, L, D, generator=gen) * 2 - 1
+    q = torch.randn(1, Hq, 1, D, generator=gen)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k[None].double(), v[None].double(),
+                                                            enable_gqa=True).numpy()
+    lines = ["| cache | MiB | ms | GB/s | × mha float32 | error vs float64 |", "|---|---|---|---|---|---|"]
+    base = None
+    for dtype in ("float32", "bfloat16", "float16", "int8", "int4"):
+        cache = mha.PagedKvCache(Hkv, D, page_size=256, pages=L // 256, dtype=dtype)
+        s = cache.add_sequence()
+        cache.append(s, k, v)
+        run = lambda: cache.attend(q, [s], num_threads=THREADS)  # noqa: E731
+        seconds = median_seconds(run, args.seconds)
+        base = base or seconds
+        mib = cache.nbytes / 2**20
+        lines.append(f"| mha {dtype} | {mib:.0f} | {seconds * 1e3:.2f} | {cache.nbytes / seconds / 1e9:.1f} | "
+                     f"{seconds / base:.2f} | {rel_error(run().numpy(), want):.1e} |")
+        print(lines[-1], flush=True)
+    for name, dt in (("torch SDPA float32", torch.float32), ("torch SDPA bfloat16", torch.bfloat16)):
+        kk, vv, qq = k[None].to(dt), v[None].to(dt), q.to(dt)
+        run = lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)  # noqa: E731
+        seconds = median_seconds(run, args.seconds)
+        nbytes = 2 * kk.numel() * kk.element_size()
+        lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
+                     f"{seconds / base:.2f} | {rel_error(run().float().numpy(), want):.1e} |")
+        print(lines[-1], flush=True)
+    note = (f"\nOne decoding step, GQA {Hq}/{Hkv}, D = {D}, {L} positions; mha through PagedKvCache.attend (one "
+            f"sequence, pages of 256); {THREADS} threads; torch {torch.__version__}.\n")
+    return "\n".join(lines) + "\n" + note
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peak", type=float, required=True, help="fp32 FMA peak in GFLOP/s (mha bench --peak)")
@@ -155,10 +193,11 @@ def main():
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--json", default=None, help="also write GFLOP/s per shape and column here (plot_peers.py)")
     parser.add_argument("--backward", action="store_true", help="only the forward+backward table (mha vs torch)")
+    parser.add_argument("--decode", action="store_true", help="only the decoding table (cache types vs torch)")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
-    if args.backward:
-        table = backward_table(args)
+    if args.backward or args.decode:
+        table = backward_table(args) if args.backward else decode_table(args)
         print("\n" + table)
         if args.markdown:
             with open(args.markdown, "w") as f:

@@ -2,8 +2,9 @@
 # mha against PyTorch 2.x, OpenVINO and ONNX Runtime in one process (bench/peers.py), on this
 # machine's measured fp32 FMA peak. Installs the peers once into build/peer-pkgs (PyPI:
 # openvino, onnxruntime, onnx) next to the cached torch 2.x environment of scripts/py-env.sh.
-#   bench/peers.sh [--seconds S] [--markdown FILE] [--json FILE] [--plot PNG] [--backward]
+#   bench/peers.sh [--seconds S] [--markdown FILE] [--json FILE] [--plot PNG] [--backward] [--decode]
 # --backward: forward + backward through autograd instead (mha vs torch, fp32/bf16/fp16).
+# --decode: one decoding step from mha's caches of every type against torch SDPA.
 # --plot draws the --json results (bench/plot_peers.py; matplotlib goes into build/peer-pkgs).
 set -euo pipefail
 cd "$(dirname "$0")/.."

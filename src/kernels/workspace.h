@@ -31,6 +31,9 @@ class Workspace {
     // Decoding (flash_decode.cc).
     kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeLo, kDecodeHi, kDecodeMerge,
     kDecodeOut, kDecodeMax, kDecodeSum,
+    // varlen_attention (src/ops/varlen.cc): one sequence's rows, head-major, around the kernel calls.
+    kVarlenQuery, kVarlenKey, kVarlenValue, kVarlenOut, kVarlenGradOut, kVarlenGradQuery, kVarlenGradKey,
+    kVarlenGradValue,
     kSlots
   };
 
@@ -53,6 +56,15 @@ class Workspace {
     }
     return static_cast<T*>(data_[slot]);
   }
+
+  // Frees a slot's buffer (for slots that may hold O(sequence) data).
+  void release(Slot slot) {
+    std::free(data_[slot]);
+    data_[slot] = nullptr;
+    size_[slot] = 0;
+  }
+
+  size_t size(Slot slot) const { return size_[slot]; }
 
   // Bytes this thread's workspace holds now.
   size_t bytes() const {

@@ -98,7 +98,8 @@ void write_row(const float* row, int64_t cs, int64_t width, CacheType type, cons
     narrow_from_f32(row, dtype, dst, width);
     return;
   }
-  for (int64_t d = 0; d < width; ++d) dst[d] = dtype == DType::kBF16 ? float_to_bf16(row[d * cs]) : float_to_half(row[d * cs]);
+  for (int64_t d = 0; d < width; ++d)
+    dst[d] = dtype == DType::kBF16 ? float_to_bf16(row[d * cs]) : float_to_half(row[d * cs]);
 }
 
 void read_row(const void* data, const float* scales, const float* channel, int64_t width, CacheType type,
@@ -131,8 +132,8 @@ void channel_scales(const float* rows, int64_t row_stride, int64_t cs, int64_t n
   }
   for (int64_t c = 0; c < D; ++c) {
     const double r = std::max(rms[c], mean);
-    s[c] = r > 0.0 && std::isfinite(r) ? std::ldexp(1.0f, std::clamp(static_cast<int>(std::lround(std::log2(r))), -30, 30))
-                                       : 1.0f;
+    const int exponent = r > 0.0 && std::isfinite(r) ? static_cast<int>(std::lround(std::log2(r))) : 0;
+    s[c] = std::ldexp(1.0f, std::clamp(exponent, -30, 30));
   }
 }
 

@@ -48,8 +48,8 @@ kernels::AttentionParams decode_params(const View<const T>& q, const View<T>& ou
 
 // The decode over a paged pool in element type T (float for float32, int8 and int4 pools).
 template <typename T>
-void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::vector<int64_t>& ids, const View<T>& out,
-                  const AttentionOptions& options) {
+void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::vector<int64_t>& ids,
+                  const View<T>& out, const AttentionOptions& options) {
   const PagedKvCacheConfig& c = cache.config();
   const int64_t S = q.shape[0], n = q.shape[2], P = c.page_size;
   std::vector<int64_t> lengths(static_cast<size_t>(S)), offsets(static_cast<size_t>(S));
