@@ -147,6 +147,52 @@ def backward_table(args):
     return "\n".join(lines) + "\n" + note
 
 
+def onnxruntime_gqa_decode(q, k, v, quant):
+    """ONNX Runtime's com.microsoft.GroupQueryAttention decoding one token after the cache k, v
+    (Hkv, L, D): float32, or int8 with a per-tensor scale (its kv_cache_bit_width=8 cache). Each
+    call also writes present_key/value (past plus the new token): without IO binding's shared
+    buffers that is a copy of the cache, which a serving loop would avoid."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    Hq, D = q.shape[1], q.shape[3]
+    Hkv, L = k.shape[0], k.shape[1]
+    cache_t = TensorProto.INT8 if quant else TensorProto.FLOAT
+    info = helper.make_tensor_value_info
+    inputs = [info("query", TensorProto.FLOAT, [1, 1, Hq * D]), info("key", TensorProto.FLOAT, [1, 1, Hkv * D]),
+              info("value", TensorProto.FLOAT, [1, 1, Hkv * D]), info("past_key", cache_t, [1, Hkv, L - 1, D]),
+              info("past_value", cache_t, [1, Hkv, L - 1, D]), info("seqlens_k", TensorProto.INT32, [1]),
+              info("total_sequence_length", TensorProto.INT32, [])]
+    names = [i.name for i in inputs]
+    attrs = dict(num_heads=Hq, kv_num_heads=Hkv)
+    feeds = {"query": q.reshape(1, 1, Hq * D).numpy(), "key": k[:, -1:].reshape(1, 1, Hkv * D).numpy(),
+             "value": v[:, -1:].reshape(1, 1, Hkv * D).numpy(), "seqlens_k": np.array([L - 1], np.int32),
+             "total_sequence_length": np.array(L, np.int32)}
+    past_k, past_v = k[None, :, :-1], v[None, :, :-1]
+    if quant:
+        ks, vs = float(past_k.abs().max()) / 127, float(past_v.abs().max()) / 127
+        feeds["past_key"] = torch.round(past_k / ks).to(torch.int8).numpy()
+        feeds["past_value"] = torch.round(past_v / vs).to(torch.int8).numpy()
+        inputs += [info("k_scale", TensorProto.FLOAT, [1]), info("v_scale", TensorProto.FLOAT, [1])]
+        names += ["", "", "", "", "", "k_scale", "v_scale"]
+        feeds["k_scale"], feeds["v_scale"] = np.array([ks], np.float32), np.array([vs], np.float32)
+        attrs.update(k_quant_type="PER_TENSOR", v_quant_type="PER_TENSOR", kv_cache_bit_width=8)
+    else:
+        feeds["past_key"], feeds["past_value"] = past_k.contiguous().numpy(), past_v.contiguous().numpy()
+    outs = [info(n, TensorProto.FLOAT if n == "output" else cache_t, None) for n in ("output", "present_key",
+                                                                                     "present_value")]
+    node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
+                            domain="com.microsoft", **attrs)
+    model = helper.make_model(helper.make_graph([node], "gqa", inputs, outs),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = THREADS
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    run = lambda: session.run(["output"], feeds)  # noqa: E731
+    return run, lambda: run()[0].reshape(1, 1, Hq, D).transpose(0, 2, 1, 3)
+
+
 def decode_table(args):
     """One decoding step (GQA 32/8, D = 128, 32768 positions: a 256 MiB float32 cache) from mha's
     caches of every storage type against torch SDPA over the cache as float32 (a torch user's
@@ -180,8 +226,21 @@ def decode_table(args):
         lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
                      f"{seconds / base:.2f} | {rel_error(run().float().numpy(), want):.1e} |")
         print(lines[-1], flush=True)
+    for name, quant in (("ORT GroupQueryAttention float32", False), ("ORT GroupQueryAttention int8", True)):
+        try:
+            run, result = onnxruntime_gqa_decode(q, k, v, quant)
+        except Exception as e:  # noqa: BLE001 — a peer without the feature is a row saying so
+            lines.append(f"| {name} | — | not available: {str(e)[:80]} | | | |")
+            continue
+        seconds = median_seconds(run, args.seconds)
+        nbytes = 2 * k.numel() * (1 if quant else 4)
+        lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
+                     f"{seconds / base:.2f} | {rel_error(result(), want):.1e} |")
+        print(lines[-1], flush=True)
     note = (f"\nOne decoding step, GQA {Hq}/{Hkv}, D = {D}, {L} positions; mha through PagedKvCache.attend (one "
-            f"sequence, pages of 256); {THREADS} threads; torch {torch.__version__}.\n")
+            f"sequence, pages of 256); torch over the cache as float32/bfloat16 tensors (a dequantized cache); ONNX "
+            f"Runtime's GroupQueryAttention also copies past to present on each call (no IO binding). {THREADS} "
+            f"threads; torch {torch.__version__}.\n")
     return "\n".join(lines) + "\n" + note
 
 
