@@ -13,6 +13,8 @@
 #include "mha/kv_cache.h"
 #include "mha/linear.h"
 #include "mha/multi_head_attention.h"
+#include "mha/paged_kv_cache.h"
+#include "mha/varlen.h"
 #include "test_util.h"
 
 namespace mha::test {
@@ -301,6 +303,77 @@ TEST(HostileSixteenBit, OverlapIsMeasuredInTheirBytes) {
   const View<bfloat16> wrong(p + 32, {1, 1, 4, 7});
   expect_error([&] { attention(BasicAttentionInputs<bfloat16>{q, q, q}, BasicAttentionOutputs<bfloat16>{wrong}); },
                {"out", "(1, 1, 4, 8)", "(1, 1, 4, 7)"});
+}
+
+// Quantized caches near the float range: group scales stay finite (max/levels − min/levels),
+// dequantized values stay within half a step, attention over them stays finite (on targets
+// with fused multiply-add, which x86 has; the portable target may overflow above ~1e36).
+TEST(HostileCaches, QuantizedValuesNearTheFloatRange) {
+  for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) {
+    KvCacheConfig c;
+    c.head_dim_qk = c.head_dim_v = 32;
+    c.dtype = type;
+    KvCache cache(c);
+    Tensor k(DType::kF32, {1, 1, 2, 32}), v(DType::kF32, {1, 1, 2, 32});
+    for (int64_t e = 0; e < 32; ++e) {
+      k.view<float>().at(0, 0, 0, e) = e % 2 ? 1e37f : -1e37f;
+      k.view<float>().at(0, 0, 1, e) = 1.0f;  // a constant group: scale 0, exact
+      v.view<float>().at(0, 0, 0, e) = e % 2 ? 3e38f : -3e38f;
+      v.view<float>().at(0, 0, 1, e) = 1e-30f;
+    }
+    cache.append(k.view<float>(), v.view<float>());
+    const Tensor kf = cache.keys_as_float(), vf = cache.values_as_float();
+    for (int64_t e = 0; e < 32; ++e) {
+      EXPECT_TRUE(std::isfinite(kf.view<float>().at(0, 0, 0, e))) << e;
+      // The group's extremes are codes 0 and levels: the minimum exact, the maximum within rounding.
+      EXPECT_NEAR(vf.view<float>().at(0, 0, 0, e), v.view<float>().at(0, 0, 0, e), 3e38 * 1e-6) << e;
+      EXPECT_EQ(vf.view<float>().at(0, 0, 1, e), 1e-30f);
+      EXPECT_TRUE(std::isfinite(cache.key_scales().at(0, 0, 0, 0)));
+    }
+    const Tensor q = Tensor::zeros({1, 1, 1, 32});
+    Tensor out(DType::kF32, {1, 1, 1, 32});
+    attend(q.view<float>(), cache, out.view<float>());
+    for (int64_t e = 0; e < 32; ++e) EXPECT_TRUE(std::isfinite(out.view<float>().at(0, 0, 0, e))) << e;
+  }
+}
+
+TEST(HostileCaches, PagedIdsAndEmptyBatches) {
+  PagedKvCacheConfig c;
+  c.head_dim_qk = c.head_dim_v = 16;
+  c.page_size = 16;
+  PagedKvCache cache(c);
+  const int64_t s = cache.add_sequence();
+  cache.free_sequence(s);
+  for (int64_t id : {s, int64_t{-1}, std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()}) {
+    expect_error([&] { cache.free_sequence(id); }, {"free_sequence", "not live"});
+    expect_error([&] { cache.fork(id); }, {"fork", "not live"});
+    expect_error([&] { cache.block_table(id); }, {"block_table", "not live"});
+  }
+  const int64_t t = cache.add_sequence();
+  EXPECT_EQ(t, s + 1);  // ids are never reused
+  expect_error([&] { cache.append(t, View<const float>(nullptr, {1, 3, 16}), View<const float>(nullptr, {1, 3, 16})); },
+               {"append", "null data pointer"});
+  EXPECT_EQ(cache.length(t), 0);
+  const Tensor q = Tensor::zeros({0, 1, 1, 16});
+  Tensor out(DType::kF32, {0, 1, 1, 16});
+  attend(q.view<float>(), cache, {}, out.view<float>());  // nothing to do
+  EXPECT_EQ(cache.free_pages(), cache.pages());
+}
+
+TEST(HostileCaches, VarlenOffsetsAtTheInt64Limits) {
+  const Tensor q = Tensor::zeros({5, 1, 8}), k = Tensor::zeros({5, 1, 8});
+  Tensor out(DType::kF32, {5, 1, 8});
+  for (std::vector<int64_t> cu : {std::vector<int64_t>{0, std::numeric_limits<int64_t>::max()},
+                                  std::vector<int64_t>{0, std::numeric_limits<int64_t>::min()},
+                                  std::vector<int64_t>{0, 7, 5}}) {
+    Tensor t(DType::kI64, {static_cast<int64_t>(cu.size())});
+    std::copy(cu.begin(), cu.end(), t.data<int64_t>());
+    Tensor ok(DType::kI64, {static_cast<int64_t>(cu.size())});
+    for (size_t i = 0; i < cu.size(); ++i) ok.data<int64_t>()[i] = i == 0 ? 0 : 5;
+    const BasicVarlenInputs<float> in{q.view<float>(), k.view<float>(), k.view<float>(), t.view<int64_t>(),
+                                      ok.view<int64_t>()};
+    expect_error([&] { varlen_attention(in, out.view<float>()); }, {"varlen_attention", "cu_seqlens_q"});
+  }
 }
 
 }  // namespace

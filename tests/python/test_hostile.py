@@ -146,3 +146,25 @@ def test_second_order_gradients_raise_instead_of_being_wrong():
         torch.autograd.grad(out.square().sum(), q, create_graph=True)
     (g,) = torch.autograd.grad(mha.scaled_dot_product_attention(q, k, v).square().sum(), q)  # first order: fine
     assert g.shape == q.shape
+
+
+def test_varlen_and_paged_cache_refuse_hostile_arguments():
+    q = torch.randn(5, 2, 8)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(mha.Error, match=r"cu_seqlens_q must be \(S \+ 1,\)"):
+        mha.varlen_attention(q, q, q, cu.reshape(1, 2), cu, 5, 5)
+    with pytest.raises(mha.Error, match="max_seqlen_q must be an integer"):
+        mha.varlen_attention(q, q, q, cu, cu, 5.0, 5)
+    with pytest.raises(mha.Error, match="window_size must be a pair"):
+        mha.varlen_attention(q, q, q, cu, cu, 5, 5, causal=True, window_size=3)
+    with pytest.raises(mha.Error, match="second-order"):
+        qg = q.clone().requires_grad_()
+        out = mha.varlen_attention(qg, q, q, cu, cu, 5, 5)
+        torch.autograd.grad(out.square().sum(), qg, create_graph=True)
+    cache = mha.PagedKvCache(kv_heads=1, head_dim=8, page_size=16)
+    with pytest.raises(mha.Error, match="seq must be an integer"):
+        cache.length(True)
+    with pytest.raises(mha.Error, match="sequence 3 is not live"):
+        cache.attend(torch.zeros(1, 1, 1, 8), [3])
+    with pytest.raises(mha.Error, match="expected a numpy array or a torch tensor"):
+        cache.append(cache.add_sequence(), [[[0.0] * 8]], [[[0.0] * 8]])
