@@ -80,6 +80,18 @@ void scatter_heads(const View<T>& t, const View<T>& x, int64_t start, int num_th
   });
 }
 
+// Sequence rows q[q0, q0 + nq), k and v [k0, k0 + nk) as head-major scratch inputs.
+template <typename T>
+BasicAttentionInputs<T> gathered_inputs(const BasicVarlenInputs<T>& in, int64_t q0, int64_t nq, int64_t k0,
+                                        int64_t nk, int threads) {
+  const int64_t Hq = in.query.shape[1], Hkv = in.key.shape[1], D = in.query.shape[2], Dv = in.value.shape[2];
+  BasicAttentionInputs<T> a;
+  a.query = gather_heads(in.query, q0, scratch<T>(Workspace::kVarlenQuery, Hq, nq, D), threads);
+  a.key = gather_heads(in.key, k0, scratch<T>(Workspace::kVarlenKey, Hkv, nk, D), threads);
+  a.value = gather_heads(in.value, k0, scratch<T>(Workspace::kVarlenValue, Hkv, nk, Dv), threads);
+  return a;
+}
+
 // Columns [start, start + n) of lse (H, total) as a (1, H, n) view.
 template <typename T>
 View<T> sequence_lse(const View<T>& lse, int64_t start, int64_t n) {
@@ -160,18 +172,14 @@ template <typename T>
 void forward(const BasicVarlenInputs<T>& in, const View<T>& out, const View<float>& lse,
              const AttentionOptions& options) {
   check_inputs(in);
-  const int64_t Hq = in.query.shape[1], Hkv = in.key.shape[1], D = in.query.shape[2], Dv = in.value.shape[2];
-  const int64_t total_q = in.query.shape[0];
+  const int64_t Hq = in.query.shape[1], Dv = in.value.shape[2], total_q = in.query.shape[0];
   check_rows(out, "out", total_q, Hq, Dv);
   if (lse.data || lse.rank) check_lse(lse, Hq, total_q);
   const ScratchRelease release;
   for_each_sequence(in.cu_seqlens_q, in.cu_seqlens_k, options,
                     [&](int64_t q0, int64_t nq, int64_t k0, int64_t nk, const AttentionOptions& o) {
                       const int threads = o.num_threads;
-                      BasicAttentionInputs<T> a;
-                      a.query = gather_heads(in.query, q0, scratch<T>(Workspace::kVarlenQuery, Hq, nq, D), threads);
-                      a.key = gather_heads(in.key, k0, scratch<T>(Workspace::kVarlenKey, Hkv, nk, D), threads);
-                      a.value = gather_heads(in.value, k0, scratch<T>(Workspace::kVarlenValue, Hkv, nk, Dv), threads);
+                      const BasicAttentionInputs<T> a = gathered_inputs(in, q0, nq, k0, nk, threads);
                       BasicAttentionOutputs<T> r;
                       r.out = scratch<T>(Workspace::kVarlenOut, Hq, nq, Dv);
                       r.lse = sequence_lse(lse, q0, nq);
@@ -208,10 +216,7 @@ void backward(const BasicVarlenInputs<T>& in, const View<const T>& out, const Vi
   for_each_sequence(in.cu_seqlens_q, in.cu_seqlens_k, options,
                     [&](int64_t q0, int64_t nq, int64_t k0, int64_t nk, const AttentionOptions& o) {
                       const int threads = o.num_threads;
-                      BasicAttentionInputs<T> a;
-                      a.query = gather_heads(in.query, q0, scratch<T>(Workspace::kVarlenQuery, Hq, nq, D), threads);
-                      a.key = gather_heads(in.key, k0, scratch<T>(Workspace::kVarlenKey, Hkv, nk, D), threads);
-                      a.value = gather_heads(in.value, k0, scratch<T>(Workspace::kVarlenValue, Hkv, nk, Dv), threads);
+                      const BasicAttentionInputs<T> a = gathered_inputs(in, q0, nq, k0, nk, threads);
                       const View<T> ot = gather_heads(out, q0, scratch<T>(Workspace::kVarlenOut, Hq, nq, Dv), threads);
                       const View<T> go =
                           gather_heads(grad_out, q0, scratch<T>(Workspace::kVarlenGradOut, Hq, nq, Dv), threads);
