@@ -6,6 +6,11 @@ plus 1e-5:  err(mha) <= 2 * err(torch float32) + 1e-5.  The 1e-5 is the C++ pari
 2x term covers results that cancel (a gradient summing many terms of both signs is small next
 to its terms, so any float32 order is far from it in relative terms, torch's too).
 Rows that torch makes NaN because every key is masked are checked separately: mha gives zeros.
+Attention outputs are measured on the scale of the values (max |v|, or max |out| if larger): an
+output row is a convex combination of value rows, so its rounding error scales with them, and a
+row whose terms cancel (one query, one value column) is tiny next to them — measured on its own
+size, any float32 order is far from it, and mha's (exp2 polynomial, other summation order) can
+exceed twice torch's there (seen: 3.6e-5 of |out| = 1.1e-3, i.e. 1.6e-8 of |v|).
 """
 import numpy as np
 import pytest
@@ -35,18 +40,19 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"  {name:<34} {count:>6} cases  max {worst:.2e}")
 
 
-def within_bound(got, want64, want32, name):
-    """Checks err(got) <= 2 err(want32) + BOUND against want64 and records err(got)."""
-    err = rel_error(got, want64)
-    ref = rel_error(want32, want64)
+def within_bound(got, want64, want32, name, scale=None):
+    """Checks err(got) <= 2 err(want32) + BOUND against want64 and records err(got); errors
+    relative to max |want64|, or to `scale` where that is larger (see above)."""
+    err = rel_error(got, want64, scale)
+    ref = rel_error(want32, want64, scale)
     record(name, err)
     assert err <= 2 * ref + BOUND, f"{name}: mha error {err:.3e}, torch float32 error {ref:.3e}"
 
 
-def rel_error(got, want):
+def rel_error(got, want, scale=None):
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
-    scale = max(np.max(np.abs(want)) if want.size else 0.0, 1e-30)
+    scale = max(np.max(np.abs(want)) if want.size else 0.0, scale or 0.0, 1e-30)
     return float(np.max(np.abs(got - want)) / scale) if want.size else 0.0
 
 
