@@ -76,6 +76,9 @@ Bandwidth measure_bandwidth(int threads);
 // The decode step over a KvCache of every storage type (float32 … int4), 16 and 256 MiB of
 // float32-equivalent cache: time, bytes read, share of the read bandwidth, ratio to float32.
 void run_cache_types(const Options& o);
+// Softcap, ALiBi and sinks (each, and all three) against plain attention at the same shape:
+// prefill forward, backward, and a decode step — time and speed as % of plain.
+void run_variants(const Options& o);
 // Causal prefill of 16 sequences of mixed lengths: varlen_attention on the packed batch, the
 // sequences one by one, and a padded batch (key lengths) — time and GFLOP/s of useful work.
 void run_varlen(const Options& o);

@@ -154,9 +154,10 @@ Backend backend_of(const std::string& b) {
 }
 
 AttentionOptions options_of(std::optional<float> scale, int causal, int64_t window, float dropout_p,
-                            uint64_t dropout_seed, int num_threads, const std::string& backend) {
+                            uint64_t dropout_seed, int num_threads, const std::string& backend, float softcap = 0.0f) {
   AttentionOptions o;
   o.scale = scale;
+  o.softcap = softcap;
   o.causal = causal_of(causal);
   o.window = window;
   o.dropout_p = dropout_p;
@@ -166,10 +167,18 @@ AttentionOptions options_of(std::optional<float> scale, int causal, int64_t wind
   return o;
 }
 
+// The per-head score inputs (docs/semantics.md "Score variants"): both optional, float32.
+struct ScoreInputs {
+  std::optional<In> alibi_slopes, sinks;
+};
+
 template <typename T>
 BasicAttentionInputs<T> inputs_of(const In& q, const In& k, const In& v, const std::optional<In>& keep_mask,
-                                  const std::optional<In>& attn_bias, const std::optional<In>& key_lengths) {
+                                  const std::optional<In>& attn_bias, const std::optional<In>& key_lengths,
+                                  const ScoreInputs& score = {}) {
   BasicAttentionInputs<T> in;
+  in.alibi_slopes = optional_view<const float>(score.alibi_slopes, "alibi_slopes");
+  in.sinks = optional_view<const float>(score.sinks, "sinks");
   in.query = view_of<const T>(q, "query");
   in.key = view_of<const T>(k, "key");
   in.value = view_of<const T>(v, "value");
@@ -183,8 +192,9 @@ BasicAttentionInputs<T> inputs_of(const In& q, const In& k, const In& v, const s
 template <typename T>
 void attention_typed(const In& q, const In& k, const In& v, const Out& out, const std::optional<In>& keep_mask,
                      const std::optional<In>& attn_bias, const std::optional<In>& key_lengths,
-                     const std::optional<Out>& lse, const std::optional<Out>& weights, const AttentionOptions& opt) {
-  const BasicAttentionInputs<T> in = inputs_of<T>(q, k, v, keep_mask, attn_bias, key_lengths);
+                     const std::optional<Out>& lse, const std::optional<Out>& weights, const ScoreInputs& score,
+                     const AttentionOptions& opt) {
+  const BasicAttentionInputs<T> in = inputs_of<T>(q, k, v, keep_mask, attn_bias, key_lengths, score);
   BasicAttentionOutputs<T> o;
   o.out = view_of<T>(out, "out");
   o.lse = optional_view<float>(lse, "lse");
@@ -196,26 +206,28 @@ void attention_typed(const In& q, const In& k, const In& v, const Out& out, cons
 void attention_py(const In& q, const In& k, const In& v, const Out& out, const std::optional<In>& keep_mask,
                   const std::optional<In>& attn_bias, const std::optional<In>& key_lengths, const std::optional<Out>& lse,
                   const std::optional<Out>& weights, std::optional<float> scale, int causal, int64_t window,
-                  float dropout_p, uint64_t dropout_seed, int num_threads, const std::string& backend) {
-  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend);
+                  float dropout_p, uint64_t dropout_seed, int num_threads, const std::string& backend, float softcap,
+                  const std::optional<In>& alibi_slopes, const std::optional<In>& sinks) {
+  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend, softcap);
+  const ScoreInputs score{alibi_slopes, sinks};
   switch (element_type(q, k, v)) {
     case DType::kBF16:
-      return attention_typed<bfloat16>(q, k, v, out, keep_mask, attn_bias, key_lengths, lse, weights, opt);
+      return attention_typed<bfloat16>(q, k, v, out, keep_mask, attn_bias, key_lengths, lse, weights, score, opt);
     case DType::kF16:
-      return attention_typed<float16>(q, k, v, out, keep_mask, attn_bias, key_lengths, lse, weights, opt);
+      return attention_typed<float16>(q, k, v, out, keep_mask, attn_bias, key_lengths, lse, weights, score, opt);
     default:
-      return attention_typed<float>(q, k, v, out, keep_mask, attn_bias, key_lengths, lse, weights, opt);
+      return attention_typed<float>(q, k, v, out, keep_mask, attn_bias, key_lengths, lse, weights, score, opt);
   }
 }
 
 template <typename T>
 void backward_typed(const In& q, const In& k, const In& v, const In& out, const In& lse, const In& grad_out,
                     const Out& dq, const Out& dk, const Out& dv, const std::optional<In>& keep_mask,
-                    const std::optional<In>& attn_bias, const std::optional<In>& key_lengths,
-                    const AttentionOptions& opt) {
-  const BasicAttentionInputs<T> in = inputs_of<T>(q, k, v, keep_mask, attn_bias, key_lengths);
+                    const std::optional<In>& attn_bias, const std::optional<In>& key_lengths, const ScoreInputs& score,
+                    const std::optional<Out>& grad_sinks, const AttentionOptions& opt) {
+  const BasicAttentionInputs<T> in = inputs_of<T>(q, k, v, keep_mask, attn_bias, key_lengths, score);
   const BasicAttentionInputGrads<T> g{view_of<T>(dq, "grad_query"), view_of<T>(dk, "grad_key"),
-                                      view_of<T>(dv, "grad_value")};
+                                      view_of<T>(dv, "grad_value"), optional_view<float>(grad_sinks, "grad_sinks")};
   const View<const T> o = view_of<const T>(out, "out"), go = view_of<const T>(grad_out, "grad_out");
   const View<const float> l = view_of<const float>(lse, "lse");
   nb::gil_scoped_release release;
@@ -226,15 +238,21 @@ void attention_backward_py(const In& q, const In& k, const In& v, const In& out,
                            const Out& dq, const Out& dk, const Out& dv, const std::optional<In>& keep_mask,
                            const std::optional<In>& attn_bias, const std::optional<In>& key_lengths,
                            std::optional<float> scale, int causal, int64_t window, float dropout_p,
-                           uint64_t dropout_seed, int num_threads, const std::string& backend) {
-  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend);
+                           uint64_t dropout_seed, int num_threads, const std::string& backend, float softcap,
+                           const std::optional<In>& alibi_slopes, const std::optional<In>& sinks,
+                           const std::optional<Out>& grad_sinks) {
+  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend, softcap);
+  const ScoreInputs score{alibi_slopes, sinks};
   switch (element_type(q, k, v)) {
     case DType::kBF16:
-      return backward_typed<bfloat16>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, opt);
+      return backward_typed<bfloat16>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, score,
+                                      grad_sinks, opt);
     case DType::kF16:
-      return backward_typed<float16>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, opt);
+      return backward_typed<float16>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, score,
+                                     grad_sinks, opt);
     default:
-      return backward_typed<float>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, opt);
+      return backward_typed<float>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, score,
+                                   grad_sinks, opt);
   }
 }
 
@@ -340,6 +358,57 @@ MultiHeadAttentionConfig config_of(int64_t embed_dim, int64_t num_heads, int64_t
   return c;
 }
 
+RopeScaling rope_scaling_of(const std::string& s) {
+  if (s == "none") return RopeScaling::kNone;
+  if (s == "linear") return RopeScaling::kLinear;
+  if (s == "ntk") return RopeScaling::kNtk;
+  if (s == "yarn") return RopeScaling::kYarn;
+  throw Error("MultiheadAttention: rotary scaling must be 'none', 'linear', 'ntk' or 'yarn'; got '" + s + "'");
+}
+const char* rope_scaling_name(RopeScaling s) {
+  return s == RopeScaling::kLinear ? "linear" : s == RopeScaling::kNtk ? "ntk" : s == RopeScaling::kYarn ? "yarn" : "none";
+}
+
+// The score variants and position settings of a module (docs/semantics.md); rotary: a dict with
+// the RotaryConfig fields (dims, theta, interleaved, scaling, factor, original_max_positions,
+// beta_fast, beta_slow), or None.
+void apply_variants(MultiHeadAttentionConfig& c, float softcap, bool alibi, bool sinks, bool qk_norm, float qk_norm_eps,
+                    const std::optional<nb::dict>& rotary) {
+  c.softcap = softcap;
+  c.alibi = alibi;
+  c.sinks = sinks;
+  c.qk_norm = qk_norm;
+  c.qk_norm_eps = qk_norm_eps;
+  if (!rotary) return;
+  for (auto [key, value] : *rotary) {
+    const std::string k = nb::cast<std::string>(nb::str(key));
+    try {
+      if (k == "dims") {
+        c.rotary.dims = nb::cast<int64_t>(value);
+      } else if (k == "theta") {
+        c.rotary.theta = nb::cast<float>(value);
+      } else if (k == "interleaved") {
+        c.rotary.interleaved = nb::cast<bool>(value);
+      } else if (k == "scaling") {
+        c.rotary.scaling = rope_scaling_of(nb::cast<std::string>(value));
+      } else if (k == "factor") {
+        c.rotary.factor = nb::cast<float>(value);
+      } else if (k == "original_max_positions") {
+        c.rotary.original_max_positions = nb::cast<int64_t>(value);
+      } else if (k == "beta_fast") {
+        c.rotary.beta_fast = nb::cast<float>(value);
+      } else if (k == "beta_slow") {
+        c.rotary.beta_slow = nb::cast<float>(value);
+      } else {
+        throw Error("MultiheadAttention: rotary has no setting '" + k + "' (dims, theta, interleaved, scaling, factor, "
+                    "original_max_positions, beta_fast, beta_slow)");
+      }
+    } catch (const nb::cast_error&) {
+      throw Error("MultiheadAttention: rotary['" + k + "'] has the wrong type: " + nb::repr(value).c_str());
+    }
+  }
+}
+
 nb::dict config_dict(const MultiHeadAttentionConfig& c, const MultiHeadAttention& m) {
   nb::dict d;
   d["embed_dim"] = c.embed_dim;
@@ -359,6 +428,21 @@ nb::dict config_dict(const MultiHeadAttentionConfig& c, const MultiHeadAttention
   d["max_seq_len"] = c.max_seq_len;
   d["batch_first"] = c.batch_first;
   d["dtype"] = dtype_label(c.dtype);
+  d["softcap"] = c.softcap;
+  d["alibi"] = c.alibi;
+  d["sinks"] = c.sinks;
+  d["qk_norm"] = c.qk_norm;
+  d["qk_norm_eps"] = c.qk_norm_eps;
+  nb::dict r;
+  r["dims"] = c.rotary.dims;
+  r["theta"] = c.rotary.theta;
+  r["interleaved"] = c.rotary.interleaved;
+  r["scaling"] = rope_scaling_name(c.rotary.scaling);
+  r["factor"] = c.rotary.factor;
+  r["original_max_positions"] = c.rotary.original_max_positions;
+  r["beta_fast"] = c.rotary.beta_fast;
+  r["beta_slow"] = c.rotary.beta_slow;
+  d["rotary"] = r;
   return d;
 }
 
@@ -377,13 +461,15 @@ NB_MODULE(_mha, m) {
         nb::arg("key_lengths").none() = nb::none(), nb::arg("lse").none() = nb::none(),
         nb::arg("weights").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
         nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
-        nb::arg("backend") = "auto");
+        nb::arg("backend") = "auto", nb::arg("softcap") = 0.0f, nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("sinks").none() = nb::none());
   m.def("attention_backward", &attention_backward_py, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("out"), nb::arg("lse"), nb::arg("grad_out"), nb::arg("grad_query"), nb::arg("grad_key"),
         nb::arg("grad_value"), nb::arg("keep_mask").none() = nb::none(), nb::arg("attn_bias").none() = nb::none(),
         nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
         nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
-        nb::arg("backend") = "auto");
+        nb::arg("backend") = "auto", nb::arg("softcap") = 0.0f, nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("sinks").none() = nb::none(), nb::arg("grad_sinks").none() = nb::none());
 
   m.def("varlen_attention", &varlen_py, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("scale").none() = nb::none(),
@@ -465,24 +551,29 @@ NB_MODULE(_mha, m) {
           [](PyMha* self, int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
              int64_t qk_proj_dim, int64_t v_proj_dim, int64_t out_dim, bool bias, bool out_proj, float attn_dropout,
              float out_dropout, int causal, int64_t window, int64_t max_seq_len, bool batch_first, uint64_t seed,
-             const std::string& dtype) {
-            new (self) PyMha{MultiHeadAttention(config_of(embed_dim, num_heads, num_kv_heads, kdim, vdim, qk_proj_dim, v_proj_dim,
-                                                          out_dim, bias, out_proj, attn_dropout, out_dropout, causal,
-                                                          window, max_seq_len, batch_first, dtype),
-                                                seed),
-                             "", {}};
+             const std::string& dtype, float softcap, bool alibi, bool sinks, bool qk_norm, float qk_norm_eps,
+             const std::optional<nb::dict>& rotary) {
+            MultiHeadAttentionConfig c = config_of(embed_dim, num_heads, num_kv_heads, kdim, vdim, qk_proj_dim,
+                                                   v_proj_dim, out_dim, bias, out_proj, attn_dropout, out_dropout,
+                                                   causal, window, max_seq_len, batch_first, dtype);
+            apply_variants(c, softcap, alibi, sinks, qk_norm, qk_norm_eps, rotary);
+            new (self) PyMha{MultiHeadAttention(c, seed), "", {}};
           },
           nb::arg("embed_dim"), nb::arg("num_heads"), nb::arg("num_kv_heads") = 0, nb::arg("kdim") = 0,
           nb::arg("vdim") = 0, nb::arg("qk_proj_dim") = 0, nb::arg("v_proj_dim") = 0, nb::arg("out_dim") = 0,
           nb::arg("bias") = true, nb::arg("out_proj") = true, nb::arg("attn_dropout") = 0.0f,
           nb::arg("out_dropout") = 0.0f, nb::arg("causal") = 0, nb::arg("window") = 0, nb::arg("max_seq_len") = 0,
-          nb::arg("batch_first") = true, nb::arg("seed") = 0, nb::arg("dtype") = "float32")
+          nb::arg("batch_first") = true, nb::arg("seed") = 0, nb::arg("dtype") = "float32", nb::arg("softcap") = 0.0f,
+          nb::arg("alibi") = false, nb::arg("sinks") = false, nb::arg("qk_norm") = false,
+          nb::arg("qk_norm_eps") = 1e-6f, nb::arg("rotary").none() = nb::none())
       .def_static(
           "from_state_dict",
           [](const std::map<std::string, In>& arrays, int64_t num_heads, int causal, int64_t window,
              int64_t max_seq_len, bool batch_first, float attn_dropout, float out_dropout, const std::string& prefix,
-             const std::string& dtype) {
+             const std::string& dtype, float softcap, bool alibi, float qk_norm_eps, const std::optional<nb::dict>& rotary) {
             MultiHeadAttentionConfig base;
+            // sinks and qk_norm follow the weights (from_state_dict finds them).
+            apply_variants(base, softcap, alibi, false, false, qk_norm_eps, rotary);
             base.dtype = dtype_of(dtype);
             base.num_heads = num_heads;
             base.causal = causal_of(causal);
@@ -497,7 +588,8 @@ NB_MODULE(_mha, m) {
           },
           nb::arg("state_dict"), nb::arg("num_heads"), nb::arg("causal") = 0, nb::arg("window") = 0,
           nb::arg("max_seq_len") = 0, nb::arg("batch_first") = true, nb::arg("attn_dropout") = 0.0f,
-          nb::arg("out_dropout") = 0.0f, nb::arg("prefix") = "", nb::arg("dtype") = "float32")
+          nb::arg("out_dropout") = 0.0f, nb::arg("prefix") = "", nb::arg("dtype") = "float32", nb::arg("softcap") = 0.0f,
+          nb::arg("alibi") = false, nb::arg("qk_norm_eps") = 1e-6f, nb::arg("rotary").none() = nb::none())
       .def_ro("layout", &PyMha::layout)
       .def_ro("ignored", &PyMha::ignored)
       .def(

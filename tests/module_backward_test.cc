@@ -189,6 +189,26 @@ std::vector<FdCase> fd_cases() {
     cases.push_back(c);
   }
   {
+    FdCase c{"softcap 1.5, ALiBi, sinks, GQA 4/2, causal", base(16, 4)};
+    c.config.num_kv_heads = 2, c.config.causal = Causal::kTopLeft;
+    c.config.softcap = 1.5f, c.config.alibi = true, c.config.sinks = true;
+    cases.push_back(c);
+  }
+  {
+    FdCase c{"rotary (half-split) + QK-norm, causal, window 4", base(16, 2)};
+    c.config.causal = Causal::kTopLeft, c.config.window = 4;
+    c.config.rotary.dims = 8, c.config.qk_norm = true;
+    cases.push_back(c);
+  }
+  {
+    FdCase c{"rotary interleaved, partial, YaRN; cross bottom-right, sinks", base(12, 2)};
+    c.config.kdim = 10, c.config.vdim = 6, c.config.causal = Causal::kBottomRight;
+    c.config.rotary.dims = 4, c.config.rotary.interleaved = true, c.config.rotary.scaling = RopeScaling::kYarn;
+    c.config.rotary.factor = 4, c.config.rotary.original_max_positions = 4, c.config.sinks = true;
+    c.cross = true, c.Tq = 4, c.Tk = 9;
+    cases.push_back(c);
+  }
+  {
     FdCase c{"training: attention dropout 0.3 and output dropout 0.2", base(16, 2)};
     c.config.attn_dropout = 0.3f, c.config.out_dropout = 0.2f, c.config.causal = Causal::kTopLeft;
     c.training = true;

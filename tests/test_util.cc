@@ -125,13 +125,24 @@ NaiveResult naive_attention(const AttentionInputs& in, const AttentionOptions& o
           if (!ok) continue;
           double dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(q.at(b, h, i, d)) * K[((b * Hq + h) * Tk + j) * D + d];
-          s[j] = scale * dot + (in.attn_bias.given() ? mask_at(in.attn_bias, b, h, i, j) : 0.0f);
+          double x = scale * dot;
+          if (options.softcap > 0) x = options.softcap * std::tanh(x / options.softcap);  // Gemma 2
+          if (in.alibi_slopes.given()) {
+            // BLOOM/FlashAttention ALiBi: -slope · |query position - key position|.
+            const double slope = in.alibi_slopes.rank == 1 ? in.alibi_slopes.at(h) : in.alibi_slopes.at(b, h);
+            const int64_t pos = options.causal == Causal::kTopLeft ? i : i + L - Tq;
+            x -= slope * static_cast<double>(pos > j ? pos - j : j - pos);
+          }
+          s[j] = x + (in.attn_bias.given() ? mask_at(in.attn_bias, b, h, i, j) : 0.0f);
         }
-        double m = -std::numeric_limits<double>::infinity();
+        // A sink (gpt-oss) is one more logit in the softmax, with no value row.
+        const bool has_sink = in.sinks.given();
+        const double sink = has_sink ? in.sinks.at(h) : -std::numeric_limits<double>::infinity();
+        double m = sink;
         for (int64_t j = 0; j < Tk; ++j)
           if (vis[j]) m = std::max(m, s[j]);
         if (m == -std::numeric_limits<double>::infinity()) continue;  // fully masked: zeros, lse -inf
-        double sum = 0;
+        double sum = has_sink ? std::exp(sink - m) : 0.0;
         for (int64_t j = 0; j < Tk; ++j)
           if (vis[j]) sum += std::exp(s[j] - m);
         const double lse = m + std::log(sum);

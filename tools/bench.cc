@@ -24,6 +24,10 @@ int run_bench(const BenchArgs& args) {
     bench::run_dtypes(o);
     return 0;
   }
+  if (args.variants) {
+    bench::run_variants(o);
+    return 0;
+  }
   if (args.varlen) {
     bench::run_varlen(o);
     return 0;

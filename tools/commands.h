@@ -29,6 +29,7 @@ struct BenchArgs {
   bool peak = false;
   bool dtypes = false;
   bool varlen = false;
+  bool variants = false;
   std::string csv, json;
 };
 

@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
   bench->add_flag("--train", ba.train, "Only the training table (attention backward, forward + backward, module steps)");
   bench->add_flag("--dtypes", ba.dtypes, "Only the dtype table: float32, bfloat16 and float16 side by side");
   bench->add_flag("--varlen", ba.varlen, "Only the variable-length table: packed, one by one and padded");
+  bench->add_flag("--variants", ba.variants, "Only the score-variant table: softcap, ALiBi, sinks against plain");
   bench->add_flag("--peak", ba.peak, "Only measure this machine's fp32 FMA peak (bench/peers.sh reads it)");
   bench->add_option("--csv", ba.csv, "Write the table as CSV");
   bench->add_option("--json", ba.json, "Write the table as JSON");

@@ -24,6 +24,19 @@
 // bias such as -1e9 on every key is not masking: that row is a uniform average.
 // NaN anywhere in a row's visible scores gives a NaN output row: NaN is never hidden.
 //
+// Score variants of current models (each optional; they compose with everything above):
+//   softcap c > 0 (Gemma 2):  the scaled score s = scale·<q, k> becomes c·tanh(s / c), before
+//                        the bias, ALiBi and masking are applied (as Gemma 2 and FlashAttention do).
+//   alibi_slopes (BLOOM, MPT): adds -slope[b?, h] · |pos_i - j| to the score of key j, where
+//                        pos_i is query i's key position: i with causal kTopLeft, else
+//                        i + L_b - Tq (bottom-right, as FlashAttention aligns ALiBi; L_b as
+//                        above). No (Tq, Tk) bias is materialised. No gradient for the slopes.
+//   sinks (gpt-oss):     a logit per query head that joins every row's softmax denominator and
+//                        takes no value: P_j = exp(s_j) / (exp(sink_h) + Σ_k exp(s_k)). Rows
+//                        then sum to less than 1; a fully masked row still gives zeros, with
+//                        LSE = sink_h (the sink is its whole denominator). LSE includes the
+//                        sink; weights are the keys' P_j. attention_backward gives its gradient.
+//
 // Dropout (dropout_p > 0): after the softmax, each P[b,h,i,j] is kept with probability 1-p and
 // scaled by 1/(1-p), else zeroed. The decision comes from Philox4x32-10 keyed by dropout_seed
 // and indexed by (b, h, i, j) alone, so it does not depend on threads or blocking, and a
@@ -70,6 +83,8 @@ struct BasicAttentionInputs {
   View<const uint8_t> keep_mask;      // optional, broadcastable to (B, Hq, Tq, Tk); nonzero = attend
   View<const float> attn_bias;        // optional, broadcastable to (B, Hq, Tq, Tk); added to scores
   View<const int64_t> key_lengths;    // optional (B,): 0 <= key_lengths[b] <= Tk
+  View<const float> alibi_slopes;     // optional (Hq,) or (B, Hq): finite ALiBi slopes
+  View<const float> sinks;            // optional (Hq,): finite sink logits
 };
 
 template <typename T>
@@ -90,6 +105,7 @@ struct AttentionOptions {
   uint64_t dropout_seed = 0;
   int num_threads = 0;         // 0: all available; at most kMaxThreads
   Backend backend = Backend::kAuto;
+  float softcap = 0.0f;        // > 0: scores → softcap·tanh(scores / softcap); 0: off
 };
 
 // Throws mha::Error naming the argument and shapes on any inconsistency. Outputs must not
@@ -106,6 +122,7 @@ struct BasicAttentionInputGrads {
   View<T> grad_query;  // (B, Hq, Tq, Dqk)
   View<T> grad_key;    // (B, Hkv, Tk, Dqk): summed over the query heads of each group
   View<T> grad_value;  // (B, Hkv, Tk, Dv)
+  View<float> grad_sinks;  // (Hq,): required when inputs.sinks is given, summed over batch and rows
 };
 using AttentionInputGrads = BasicAttentionInputGrads<float>;
 

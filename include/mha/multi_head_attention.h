@@ -41,6 +41,28 @@
 
 namespace mha {
 
+// Rotary position embeddings (RoPE, Su et al. 2021) applied to q and k inside the module, per
+// head, after QK-norm (Llama, Qwen3 and Gemma order). Position p rotates each pair of rotated
+// dims (x_a, x_b) by the angle p·f_i, f_i = theta^(-2i/dims), i < dims/2. docs/semantics.md
+// ("Rotary position embeddings") gives positions, layouts and the scalings exactly.
+enum class RopeScaling : uint8_t {
+  kNone,
+  kLinear,  // positions divided by factor (position interpolation)
+  kNtk,     // NTK-aware: theta multiplied by factor^(dims / (dims - 2))
+  kYarn,    // YaRN (Peng et al. 2023): per-frequency interpolation ramp, attention factor
+};
+struct RotaryConfig {
+  int64_t dims = 0;          // rotated dims per head: even, at most head_dim_qk (fewer: partial
+                             // rotary, the rest pass through); 0: no rotary embeddings
+  float theta = 10000.0f;    // base
+  bool interleaved = false;  // false: pairs (x_i, x_{i+dims/2}) (Llama, GPT-NeoX "rotate_half");
+                             // true: pairs (x_{2i}, x_{2i+1}) (GPT-J)
+  RopeScaling scaling = RopeScaling::kNone;
+  float factor = 1.0f;       // > 0; the context extension factor of the scalings
+  int64_t original_max_positions = 0;  // YaRN: the pre-training context length (> 0)
+  float beta_fast = 32.0f, beta_slow = 1.0f;  // YaRN's ramp bounds (in rotations), as in its paper
+};
+
 struct MultiHeadAttentionConfig {
   // Three kinds of width, named apart: input widths (embed_dim, kdim, vdim, as PyTorch names
   // them), projection widths over all query heads (*_proj_dim, out_dim), and per-head dims
@@ -69,6 +91,17 @@ struct MultiHeadAttentionConfig {
   // attention and its weights stay float32 inside; outputs are rounded once to dtype. Biases are
   // float32 in every module. 16-bit modules run forward() and step(); backward() needs float32.
   DType dtype = DType::kF32;
+  // Score variants and position handling of current models (docs/semantics.md); all off by
+  // default. softcap, alibi and sinks behave as in mha/attention.h.
+  float softcap = 0.0f;       // > 0: Gemma 2's logit softcap
+  bool alibi = false;         // ALiBi with the standard slopes 2^(-8(h+1)/H) (BLOOM's, also for
+                              // head counts that are not powers of two); fixed, not trained
+  bool sinks = false;         // a learnable sink logit per query head (gpt-oss): parameter "sinks",
+                              // initialised to 0
+  RotaryConfig rotary;        // rotary.dims > 0: rotary position embeddings on q and k
+  bool qk_norm = false;       // RMSNorm per head on q and k (Qwen3, Gemma 3): learnable weights
+                              // "q_norm.weight", "k_norm.weight" of head_dim_qk, initialised to 1
+  float qk_norm_eps = 1e-6f;  // the RMSNorm's epsilon: x / sqrt(mean(x²) + eps) · weight
 };
 
 // The data of one call: inputs and masks. Views are read during the call only. T is the
@@ -108,6 +141,7 @@ struct MhaOutputs {
 // adds to them, zero() clears them. Make them with MultiHeadAttention::make_grads().
 struct MhaParamGrads {
   Tensor in_weight, in_bias, out_weight, out_bias;
+  Tensor sinks, q_norm, k_norm;  // defined when the module has them
   void zero();
 };
 
@@ -216,6 +250,12 @@ class MultiHeadAttention {
     check_proj(p);
     return has_bias_[p];
   }
+  // The sink logits (Hq) and the QK-norm weights (head_dim_qk) as float32 views; an mha::Error
+  // for a module without them. ALiBi slopes are fixed: alibi_slopes() reads them.
+  View<float> sinks();
+  View<float> q_norm_weight();
+  View<float> k_norm_weight();
+  View<const float> alibi_slopes() const;
 
  private:
   struct Dims {
@@ -242,6 +282,12 @@ class MultiHeadAttention {
   MhaOutputs step_impl(const View<const T>& x, KvCache& cache, const std::vector<int64_t>& new_tokens,
                        const MhaCallOptions& options) const;
   void check_dtype(DType input, const char* where) const;
+  // QK-norm then rotary embeddings on q (B, Hq, Tq, D) and k (B, Hkv, Tk, D) in place; row t of
+  // batch b sits at position q_first[b] + t (k_first for keys).
+  void transform_qk(const View<float>& q, const View<float>& k, const std::vector<int64_t>& q_first,
+                    const std::vector<int64_t>& k_first, int num_threads) const;
+  // The module's ALiBi slopes and sinks into attention inputs.
+  void score_inputs(AttentionInputs& in) const;
   // (B, T, output_dim()) or (T, B, output_dim()).
   std::vector<int64_t> output_shape(int64_t B, int64_t T) const;
   bool packed() const { return config_.kdim == config_.embed_dim && config_.vdim == config_.embed_dim; }
@@ -252,6 +298,9 @@ class MultiHeadAttention {
   Tensor in_weight_;
   Tensor in_bias_;   // (Rq + Rk + Rv); zeros where a projection has no bias
   Tensor out_weight_, out_bias_;
+  Tensor alibi_slopes_;      // (Hq) if config().alibi
+  Tensor sinks_;             // (Hq) if config().sinks
+  Tensor q_norm_, k_norm_;   // (head_dim_qk) if config().qk_norm
   bool has_bias_[4] = {false, false, false, false};
   uint64_t seed_ = 0;
   mutable std::atomic<uint64_t> calls_{0};

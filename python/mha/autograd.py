@@ -4,7 +4,8 @@ mha.scaled_dot_product_attention routes here when a torch input requires grad. T
 keeps the output and its log-sum-exp (O(T) memory, no T x T matrix); the backward runs mha's
 FlashAttention-2-style kernel, regenerating dropout from the saved seed. Broadcast key/value
 (a batch or head dimension of 1) is expanded *outside* the Function, so torch sums the
-gradient over the broadcast copies itself. attn_mask, key_lengths: constants (no gradient).
+gradient over the broadcast copies itself. attn_mask, key_lengths, alibi_slopes: constants
+(no gradient); sinks get their gradient (summed over batch and rows, float32).
 """
 import torch
 
@@ -14,8 +15,9 @@ from . import _mha
 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, bias, lengths, params):
-        (scale, causal, window, dropout_p, seed, num_threads, backend, want_weights, average_weights, S) = params
+    def forward(ctx, q, k, v, sinks, keep, bias, lengths, alibi, params):
+        (scale, causal, window, dropout_p, seed, num_threads, backend, want_weights, average_weights, S,
+         softcap) = params
         N, Hq, L, _ = q.shape
         out = torch.empty((N, Hq, L, v.shape[-1]), dtype=q.dtype)
         lse = torch.empty((N, Hq, L), dtype=torch.float32)
@@ -24,9 +26,11 @@ class AttentionFunction(torch.autograd.Function):
             weights = torch.empty((N, L, S) if average_weights else (N, Hq, L, S), dtype=q.dtype)
         _mha.attention(q.detach(), k.detach(), v.detach(), out, keep_mask=A.native(keep), attn_bias=A.native(bias),
                        key_lengths=lengths, lse=lse, weights=weights, scale=scale, causal=causal, window=window,
-                       dropout_p=dropout_p, dropout_seed=seed, num_threads=num_threads, backend=backend)
+                       dropout_p=dropout_p, dropout_seed=seed, num_threads=num_threads, backend=backend,
+                       softcap=softcap, alibi_slopes=A.native(alibi), sinks=A.native(sinks))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.keep, ctx.bias, ctx.lengths, ctx.params = keep, bias, lengths, params
+        ctx.alibi, ctx.sinks = alibi, sinks
         ctx.mark_non_differentiable(lse)
         if weights is None:
             return out, lse
@@ -42,26 +46,28 @@ class AttentionFunction(torch.autograd.Function):
             raise A.Error("mha.scaled_dot_product_attention: second-order gradients (create_graph=True) are not "
                           "supported; compute that term with torch.nn.functional.scaled_dot_product_attention")
         q, k, v, out, lse = ctx.saved_tensors
-        (scale, causal, window, dropout_p, seed, num_threads, backend, _, _, _) = ctx.params
+        (scale, causal, window, dropout_p, seed, num_threads, backend, _, _, _, softcap) = ctx.params
         # Gradients in the inputs' dtype: for bfloat16/float16 accumulated in float32, rounded once.
         dq = torch.empty(q.shape, dtype=q.dtype)
         dk = torch.empty(k.shape, dtype=q.dtype)
         dv = torch.empty(v.shape, dtype=q.dtype)
+        dsinks = None if ctx.sinks is None else torch.empty(ctx.sinks.shape, dtype=torch.float32)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         _mha.attention_backward(q.detach(), k.detach(), v.detach(), out, lse, grad_out.to(q.dtype).contiguous(),
                                 dq, dk, dv,
                                 keep_mask=A.native(ctx.keep), attn_bias=A.native(ctx.bias), key_lengths=ctx.lengths,
                                 scale=scale, causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
-                                num_threads=num_threads, backend=backend)
-        return dq, dk, dv, None, None, None, None
+                                num_threads=num_threads, backend=backend, softcap=softcap,
+                                alibi_slopes=A.native(ctx.alibi), sinks=A.native(ctx.sinks), grad_sinks=dsinks)
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
 def attention(p, dropout_p, seed, num_threads, backend, want_weights, average_weights):
     """(out, lse, weights) of the prepared arguments p (see functional._prepare), differentiable."""
     params = (p.scale, p.causal, p.window, float(dropout_p), seed, num_threads, backend, want_weights,
-              average_weights, p.S)
-    results = AttentionFunction.apply(p.q, p.k, p.v, p.keep, p.bias, p.lengths, params)
+              average_weights, p.S, p.softcap)
+    results = AttentionFunction.apply(p.q, p.k, p.v, p.sinks, p.keep, p.bias, p.lengths, p.alibi, params)
     out, lse = results[0], results[1]
     weights = results[2] if want_weights else None
     return out, lse, weights

@@ -18,6 +18,12 @@ Differences, all documented in docs/semantics.md:
 Extras (keyword-only): causal_alignment="bottom-right" (the last query sees the last key),
 key_lengths (N,) for padded keys, window (sliding window, with is_causal), return_lse,
 return_weights / average_weights, dropout_seed (reproducible dropout), num_threads, backend.
+Score variants (keyword-only, FlashAttention's names; docs/semantics.md "Score variants"):
+  softcap: > 0 turns scaled scores s into softcap·tanh(s / softcap) (Gemma 2); 0 is off.
+  alibi_slopes: (Hq,) or batch dims + (Hq,): adds -slope·|query position - key position| (BLOOM);
+    a query's position follows causal_alignment (bottom-right unless is_causal with top-left).
+  sinks: (Hq,): a logit per head in every row's softmax denominator with no value (gpt-oss);
+    differentiable (torch) like query, key and value.
 
 With torch tensors that require grad (and grad mode on) the call is differentiable in query,
 key and value through mha's backward kernel (mha.autograd).
@@ -151,6 +157,35 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
     return p
 
 
+def _score_inputs(p, kind, softcap, alibi_slopes, sinks):
+    """softcap, alibi_slopes (as (N, Hq) or (Hq,)) and sinks (Hq,) for the extension, float32."""
+    name = "scaled_dot_product_attention"
+    p.softcap = A.check_number(softcap, f"{name}: softcap", 0.0)
+    p.alibi = p.sinks = None
+    for x, n in ((alibi_slopes, "alibi_slopes"), (sinks, "sinks")):
+        if x is None:
+            continue
+        A.check_array(x, f"{name}: {n}")
+        if A.is_torch(x) != (kind == "torch"):
+            raise Error(f"{name}: {n} must be the same kind (torch/numpy) as query")
+        if not A.is_floating(x):
+            raise Error(f"{name}: {n} must be floating point; got {x.dtype}")
+    if alibi_slopes is not None:
+        shape = tuple(alibi_slopes.shape)
+        if shape == (p.Hq,):
+            p.alibi = A.to_float32(alibi_slopes)
+        elif shape == tuple(p.lead) + (p.Hq,) and p.lead:
+            p.alibi = A.to_float32(A.reshape(alibi_slopes, (p.N, p.Hq)))
+        else:
+            raise Error(f"{name}: alibi_slopes must have shape ({p.Hq},) or batch dims + heads "
+                        f"{tuple(p.lead) + (p.Hq,)}; got {shape}")
+    if sinks is not None:
+        if tuple(sinks.shape) != (p.Hq,):
+            raise Error(f"{name}: sinks must have shape ({p.Hq},) (one per query head); got {tuple(sinks.shape)}")
+        p.sinks = sinks if str(sinks.dtype).endswith("float32") else A.to_float32(sinks)
+    return p
+
+
 def _shape_back(p, x, tail):
     """A (N, ...) result as lead + tail (rank-2 queries: just tail)."""
     if p.query_ndim == 2:
@@ -167,14 +202,15 @@ def _run_forward(p, kind, dropout_p, seed, num_threads, backend, want_lse, want_
     _mha.attention(A.native(p.q), A.native(p.k), A.native(p.v), out, keep_mask=A.native(p.keep),
                    attn_bias=A.native(p.bias), key_lengths=p.lengths, lse=lse, weights=weights, scale=p.scale,
                    causal=p.causal, window=p.window, dropout_p=float(dropout_p), dropout_seed=seed,
-                   num_threads=num_threads, backend=backend)
+                   num_threads=num_threads, backend=backend, softcap=p.softcap, alibi_slopes=A.native(p.alibi),
+                   sinks=A.native(p.sinks))
     return out, lse, weights
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, causal_alignment="top-left", key_lengths=None, window=0,
                                  return_lse=False, return_weights=False, average_weights=False, dropout_seed=None,
-                                 num_threads=0, backend="auto"):
+                                 num_threads=0, backend="auto", softcap=0.0, alibi_slopes=None, sinks=None):
     """See the module docstring. Returns out, or a tuple (out, [lse], [weights]) with the extras
     asked for: lse (..., Hq, L), weights (..., Hq, L, S) or averaged over heads (..., L, S)."""
     kind = A.kind_of(query, key, value, attn_mask)
@@ -185,6 +221,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise Error(f"{name}: backend must be 'auto', 'reference' or 'fast'; got {backend!r}")
     p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths)
     p.window = A.check_int(window, f"{name}: window", 0, 2**63 - 1)
+    _score_inputs(p, kind, softcap, alibi_slopes, sinks)
     if dropout_seed is not None:
         seed = A.check_int(dropout_seed, f"{name}: dropout_seed", 0, 2**64 - 1)
     else:
@@ -193,7 +230,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     needs_grad = False
     if kind == "torch":
         torch = A.torch_module()
-        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+        needs_grad = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (query, key, value, p.sinks))
+        if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+            raise Error(f"{name}: mha does not compute gradients with respect to alibi_slopes; pass "
+                        "alibi_slopes.detach()")
         if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
             raise Error("scaled_dot_product_attention: mha does not compute gradients with respect to attn_mask; "
                         "pass attn_mask.detach()")

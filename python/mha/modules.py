@@ -77,17 +77,23 @@ def _numpy_state_dict(state_dict):
 class MultiheadAttention:
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, num_kv_heads=None,
-                 out_dropout=0.0, seed=0, num_threads=0):
+                 out_dropout=0.0, seed=0, num_threads=0, softcap=0.0, alibi=False, sinks=False, rotary=None,
+                 qk_norm=False, qk_norm_eps=1e-6):
         if add_bias_kv or add_zero_attn:
             raise Error("MultiheadAttention: add_bias_kv and add_zero_attn are not supported by mha")
         if device is not None and str(device) != "cpu":
             raise Error(f"MultiheadAttention: mha runs on the CPU; got device={device}")
         # dtype: the weights', inputs' and outputs' type (float32, bfloat16 or float16); 16-bit
         # modules compute in float32 inside and run forward and step (no autograd through them).
+        # Score variants and positions (docs/semantics.md): softcap (Gemma 2), alibi (BLOOM's
+        # slopes), sinks (a learnable logit per head, weight "sinks"), rotary (a dict: dims, theta,
+        # interleaved, scaling "none"/"linear"/"ntk"/"yarn", factor, original_max_positions,
+        # beta_fast, beta_slow), qk_norm (RMSNorm per head, weights "q_norm.weight", "k_norm.weight").
         self._m = _mha.Module(embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads or 0,
                               kdim=kdim or 0, vdim=vdim or 0, bias=bias, attn_dropout=float(dropout),
                               out_dropout=float(out_dropout), batch_first=batch_first, seed=seed,
-                              dtype=_dtype_name(dtype))
+                              dtype=_dtype_name(dtype), softcap=float(softcap), alibi=bool(alibi), sinks=bool(sinks),
+                              qk_norm=bool(qk_norm), qk_norm_eps=float(qk_norm_eps), rotary=rotary)
         self.training = True
         self.num_threads = num_threads
         self.backend = "auto"
@@ -96,16 +102,20 @@ class MultiheadAttention:
 
     @classmethod
     def from_state_dict(cls, state_dict, num_heads, *, causal=False, max_seq_len=0, batch_first=True, dropout=0.0,
-                        out_dropout=0.0, prefix="", num_threads=0, dtype=None):
+                        out_dropout=0.0, prefix="", num_threads=0, dtype=None, softcap=0.0, alibi=False, rotary=None,
+                        qk_norm_eps=1e-6):
         """A module whose layout (widths, kv heads, bias, output projection) is read from the
         weights' names and shapes: nn.MultiheadAttention's or separate q/k/v/out Linear layers
         (the seed modules). `state_dict` maps names to torch tensors or numpy arrays; dtype is the
-        module's (default float32), the weights are converted to it."""
+        module's (default float32), the weights are converted to it. Sinks and QK-norm are on when
+        the weights hold "sinks" / "q_norm.weight" and "k_norm.weight"; softcap, alibi and rotary
+        as in the constructor."""
         self = cls.__new__(cls)
         self._m = _mha.Module.from_state_dict(_numpy_state_dict(state_dict), num_heads, causal=1 if causal else 0,
                                               max_seq_len=max_seq_len, batch_first=batch_first,
                                               attn_dropout=float(dropout), out_dropout=float(out_dropout),
-                                              prefix=prefix, dtype=_dtype_name(dtype))
+                                              prefix=prefix, dtype=_dtype_name(dtype), softcap=float(softcap),
+                                              alibi=bool(alibi), qk_norm_eps=float(qk_norm_eps), rotary=rotary)
         self.training = True
         self.num_threads = num_threads
         self.backend = "auto"

@@ -48,6 +48,11 @@ struct AttentionParams {
   const int64_t* key_lengths = nullptr;  int64_t key_lengths_stride = 0;
 
   float scale = 1.0f;
+  float softcap = 0.0f;  // > 0: s = softcap·tanh(s / softcap) before bias and masks
+  // ALiBi slopes, element (b, h) at b·alibi_stride[0] + h·alibi_stride[1] (batch stride 0 for
+  // (Hq,) slopes); sinks (Hq,) with stride sinks_stride.
+  const float* alibi = nullptr;  std::array<int64_t, 2> alibi_stride{};
+  const float* sinks = nullptr;  int64_t sinks_stride = 0;
   Causal causal = Causal::kNone;
   // Internal (KV caches): if set, query i of batch b sits at key position i + causal_offset[b],
   // overriding the alignment (top-left: 0, bottom-right: L_b - Tq). Needs causal != kNone.
@@ -89,6 +94,18 @@ inline void store_element(void* base, int64_t index, float x, DType t) {
   }
 }
 
+// Query i's key position: the key it is aligned with (see mha/attention.h). The causal limit
+// and ALiBi distances are measured from it.
+inline int64_t query_position(const AttentionParams& p, int64_t b, int64_t i) {
+  if (p.causal_offset) return i + p.causal_offset[b];
+  return p.causal == Causal::kTopLeft ? i : i + p.key_length(b) - p.q_len;
+}
+
+inline float alibi_slope(const AttentionParams& p, int64_t b, int64_t h) {
+  return p.alibi ? p.alibi[b * p.alibi_stride[0] + h * p.alibi_stride[1]] : 0.0f;
+}
+inline float sink_logit(const AttentionParams& p, int64_t h) { return p.sinks[h * p.sinks_stride]; }
+
 // The keys [lo, hi) that causal alignment, the window and key_lengths leave visible to query
 // row i of batch b (keep_mask and bias still apply inside). Empty ranges are {0, 0}.
 struct KeyRange {
@@ -99,10 +116,7 @@ inline KeyRange visible_keys(const AttentionParams& p, int64_t b, int64_t i) {
   const int64_t len = p.key_length(b);
   int64_t lo = 0, hi = len;
   if (p.causal != Causal::kNone) {
-    const int64_t offset = p.causal_offset           ? p.causal_offset[b]
-                           : p.causal == Causal::kBottomRight ? len - p.q_len
-                                                              : 0;
-    const int64_t last = i + offset;
+    const int64_t last = query_position(p, b, i);
     hi = std::min(hi, last + 1);
     if (p.window > 0) lo = std::max<int64_t>(0, last - p.window + 1);
   }

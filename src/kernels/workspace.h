@@ -19,6 +19,8 @@ class Workspace {
   enum Slot : int {
     // The tile of query rows (flash_blocks-inl.h): visible key range, head and query of each row.
     kTileLo, kTileHi, kTileLoRel, kTileHiRel, kTileHead, kTileQuery, kTileValid,
+    // ALiBi per row of the tile: slope, query position, position relative to the block.
+    kTileSlope, kTilePos, kTilePosRel,
     // Forward and weights passes (flash_fwd.cc, flash_weights.cc); the backward reuses the first two.
     kQueryT, kScores, kOutT, kRowMax, kRowSum, kRescale, kNonfinite, kOutSpill, kRowSumSpill,
     kRowMaxSpill,
@@ -28,6 +30,7 @@ class Workspace {
     // Backward (flash_bwd.cc).
     kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,
+    kBwdSoftcapGrad,
     // Decoding (flash_decode.cc).
     kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeLo, kDecodeHi, kDecodeMerge,
     kDecodeOut, kDecodeMax, kDecodeSum,

@@ -2,12 +2,14 @@
 // Training is in multi_head_attention_backward.cc, decoding in multi_head_attention_step.cc.
 #include "mha/multi_head_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 
 #include "io/weight_names.h"
 #include "modules/multi_head_attention_internal.h"
+#include "modules/positional.h"
 #include "ops/linear.h"
 #include "util/check.h"
 #include "util/convert.h"
@@ -68,6 +70,11 @@ MultiHeadAttentionConfig resolve_config(const MultiHeadAttentionConfig& in) {
   MHA_CHECK(c.window >= 0, "MultiHeadAttention: window must be >= 0; got {}", c.window);
   MHA_CHECK(c.window == 0 || c.causal != Causal::kNone, "MultiHeadAttention: a sliding window (window = {}) needs causal",
             c.window);
+  MHA_CHECK(std::isfinite(c.softcap) && c.softcap >= 0.0f,
+            "MultiHeadAttention: softcap must be finite and >= 0 (0 turns it off); got {}", c.softcap);
+  modules::check_rotary(c.rotary, c.qk_proj_dim / c.num_heads);
+  MHA_CHECK(std::isfinite(c.qk_norm_eps) && c.qk_norm_eps > 0.0f, "MultiHeadAttention: qk_norm_eps must be > 0; got {}",
+            c.qk_norm_eps);
   MHA_CHECK(c.dtype == DType::kF32 || c.dtype == DType::kBF16 || c.dtype == DType::kF16,
             "MultiHeadAttention: dtype must be F32, BF16 or F16; got {}", dtype_name(c.dtype));
   return c;
@@ -99,6 +106,21 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config, u
     out_bias_ = Tensor(DType::kF32, {d.rows[3]});
   }
   for (int p = 0; p < 4; ++p) has_bias_[p] = config_.bias && (p < 3 || config_.out_proj);
+  if (config_.alibi) {
+    const std::vector<float> s = modules::alibi_slopes(config_.num_heads);
+    alibi_slopes_ = Tensor(DType::kF32, {config_.num_heads});
+    std::copy(s.begin(), s.end(), alibi_slopes_.data<float>());
+  }
+  if (config_.sinks) {
+    sinks_ = Tensor(DType::kF32, {config_.num_heads});
+    std::fill(sinks_.data<float>(), sinks_.data<float>() + config_.num_heads, 0.0f);
+  }
+  if (config_.qk_norm) {
+    for (Tensor* w : {&q_norm_, &k_norm_}) {
+      *w = Tensor(DType::kF32, {head_dim_qk()});
+      std::fill(w->data<float>(), w->data<float>() + head_dim_qk(), 1.0f);
+    }
+  }
   // nn.Linear's default initialisation: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias (the
   // same float32 draws for every dtype, rounded to it; biases hold values of the dtype).
   uint64_t index = 0;
@@ -121,6 +143,10 @@ MultiHeadAttention::MultiHeadAttention(MultiHeadAttention&& other) noexcept
       in_bias_(std::move(other.in_bias_)),
       out_weight_(std::move(other.out_weight_)),
       out_bias_(std::move(other.out_bias_)),
+      alibi_slopes_(std::move(other.alibi_slopes_)),
+      sinks_(std::move(other.sinks_)),
+      q_norm_(std::move(other.q_norm_)),
+      k_norm_(std::move(other.k_norm_)),
       seed_(other.seed_),
       calls_(other.calls_.load()) {
   std::copy(other.has_bias_, other.has_bias_ + 4, has_bias_);
@@ -173,6 +199,23 @@ View<float> MultiHeadAttention::bias(Proj p) {
 
 View<const float> MultiHeadAttention::bias(Proj p) const {
   return const_cast<MultiHeadAttention*>(this)->bias(p);
+}
+
+View<float> MultiHeadAttention::sinks() {
+  MHA_CHECK(config_.sinks, "MultiHeadAttention::sinks: this module has no sinks (config.sinks is false)");
+  return sinks_.view<float>();
+}
+View<float> MultiHeadAttention::q_norm_weight() {
+  MHA_CHECK(config_.qk_norm, "MultiHeadAttention::q_norm_weight: this module has no QK-norm (config.qk_norm is false)");
+  return q_norm_.view<float>();
+}
+View<float> MultiHeadAttention::k_norm_weight() {
+  MHA_CHECK(config_.qk_norm, "MultiHeadAttention::k_norm_weight: this module has no QK-norm (config.qk_norm is false)");
+  return k_norm_.view<float>();
+}
+View<const float> MultiHeadAttention::alibi_slopes() const {
+  MHA_CHECK(config_.alibi, "MultiHeadAttention::alibi_slopes: this module has no ALiBi (config.alibi is false)");
+  return alibi_slopes_.view<float>();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -240,6 +283,22 @@ LoadReport MultiHeadAttention::load_state_dict(const StateDict& sd, const std::s
     copy_checked(f.weight[3], weight_data(kOut), t, t, {d.rows[3], d.cols[3]}, &report);
     if (f.bias[3].tensor) copy_checked(f.bias[3], bias(kOut).data, DType::kF32, t, {d.rows[3]}, &report);
   }
+  // Sinks and QK-norm weights (float32 in every module): required when the module has them,
+  // an error when the file has them and the module does not.
+  auto extra = [&](const char* name, bool wanted, Tensor& dst) {
+    const std::string full = f.prefix + name;
+    const auto it = sd.find(full);
+    MHA_CHECK(!wanted || it != sd.end(), "weights: '{}' is missing from the file ({}); the module has it", full,
+              f.layout);
+    MHA_CHECK(wanted || it == sd.end(), "weights: the file has '{}' but the module was built without it (config.{})",
+              full, std::string(name) == "sinks" ? "sinks" : "qk_norm");
+    if (it == sd.end()) return;
+    copy_checked({&it->second, full}, dst.raw(), DType::kF32, DType::kF32, dst.shape(), &report);
+    report.ignored.erase(std::remove(report.ignored.begin(), report.ignored.end(), full), report.ignored.end());
+  };
+  extra("sinks", config_.sinks, sinks_);
+  extra("q_norm.weight", config_.qk_norm, q_norm_);
+  extra("k_norm.weight", config_.qk_norm, k_norm_);
   return report;
 }
 
@@ -289,6 +348,8 @@ MultiHeadAttention MultiHeadAttention::from_state_dict(const StateDict& sd, cons
     c.out_dim = s[0];
   }
   c.bias = true;
+  c.sinks = sd.count(f.prefix + "sinks") > 0;
+  c.qk_norm = sd.count(f.prefix + "q_norm.weight") > 0 || sd.count(f.prefix + "k_norm.weight") > 0;
   MultiHeadAttention m(c);
   for (int p = 0; p < 4; ++p) {
     m.has_bias_[p] = (p < 3 && f.in_proj_bias.tensor) || f.bias[p].tensor;
@@ -318,7 +379,7 @@ StateDict MultiHeadAttention::state_dict() const {
   const bool none_bias = !has_bias_[0] && !has_bias_[1] && !has_bias_[2];
   const bool torch_mha = c.out_proj && c.out_dim == c.embed_dim && c.qk_proj_dim == c.embed_dim &&
                          c.v_proj_dim == c.embed_dim && c.num_kv_heads == c.num_heads && (all_bias || none_bias) &&
-                         has_bias_[3] == all_bias;
+                         has_bias_[3] == all_bias && !c.sinks && !c.qk_norm;
   if (torch_mha) {
     if (packed()) {
       sd.emplace("in_proj_weight", in_weight_.reshaped({d.rows[0] + d.rows[1] + d.rows[2], d.cols[0]}));
@@ -338,11 +399,36 @@ StateDict MultiHeadAttention::state_dict() const {
     sd.emplace(std::string(names[p]) + ".weight", copy_of(static_cast<Proj>(p)));
     if (has_bias_[p]) sd.emplace(std::string(names[p]) + ".bias", bias_of(static_cast<Proj>(p)));
   }
+  // The names of the models that carry them (gpt-oss, Qwen3), float32 as those store them.
+  if (c.sinks) sd.emplace("sinks", sinks_.clone());
+  if (c.qk_norm) {
+    sd.emplace("q_norm.weight", q_norm_.clone());
+    sd.emplace("k_norm.weight", k_norm_.clone());
+  }
   return sd;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward.
+
+void MultiHeadAttention::transform_qk(const View<float>& q, const View<float>& k, const std::vector<int64_t>& q_first,
+                                      const std::vector<int64_t>& k_first, int num_threads) const {
+  const auto& c = config_;
+  if (c.qk_norm) {
+    modules::rms_norm(q, q_norm_.data<float>(), c.qk_norm_eps, num_threads);
+    modules::rms_norm(k, k_norm_.data<float>(), c.qk_norm_eps, num_threads);
+  }
+  if (c.rotary.dims > 0) {
+    const modules::RotaryFreqs f = modules::rotary_freqs(c.rotary);
+    modules::rotate(f, q, q_first, false, num_threads);
+    modules::rotate(f, k, k_first, false, num_threads);
+  }
+}
+
+void MultiHeadAttention::score_inputs(AttentionInputs& in) const {
+  if (config_.alibi) in.alibi_slopes = alibi_slopes_.view<float>();
+  if (config_.sinks) in.sinks = sinks_.view<float>();
+}
 
 namespace {
 
@@ -521,12 +607,20 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
   }
   const modules::QkvHeads heads = modules::qkv_heads(c, qkv.data<float>(), kbuf.defined() ? kbuf.data<float>() : nullptr,
                                                      vbuf.defined() ? vbuf.data<float>() : nullptr, lq, lk);
+  const Causal causal = options.causal.value_or(c.causal);
+  // QK-norm, then rotary embeddings, on the heads in place (the tape keeps the normalised
+  // inputs). Query i sits at position i (+ Tk - Tq when aligned bottom-right), key j at j.
+  Tensor q_raw, k_raw;
+  if (c.qk_norm && tape) q_raw = to_tensor(View<const float>(heads.q)), k_raw = to_tensor(View<const float>(heads.k));
+  const std::vector<int64_t> q_first(static_cast<size_t>(B), causal == Causal::kBottomRight ? Tk - Tq : 0);
+  transform_qk(heads.q, heads.k, q_first, std::vector<int64_t>(static_cast<size_t>(B), 0), options.num_threads);
 
   // Masks. key_padding_mask (nonzero = pad) becomes part of the keep mask.
   AttentionInputs ai;
   ai.query = heads.q;
   ai.key = heads.k;
   ai.value = heads.v;
+  score_inputs(ai);
   ai.attn_bias = in.attn_bias;
   ai.key_lengths = in.key_lengths;
   Tensor keep;
@@ -536,7 +630,8 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
   const uint64_t call_seed =
       options.dropout_seed ? *options.dropout_seed : modules::derive_seed(seed_, calls_.fetch_add(1));
   AttentionOptions opt;
-  opt.causal = options.causal.value_or(c.causal);
+  opt.causal = causal;
+  opt.softcap = c.softcap;
   MHA_CHECK(c.window == 0 || opt.causal != Causal::kNone,
             "MultiHeadAttention: options.causal turns causal masking off, but the module's window = {} needs it",
             c.window);
@@ -607,6 +702,8 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
     t.bias = to_tensor(in.attn_bias);
     t.lengths = to_tensor(in.key_lengths);
     t.options = opt;
+    t.q_raw = std::move(q_raw), t.k_raw = std::move(k_raw);
+    t.q_first = q_first;
     t.out_dropout = drop_out ? c.out_dropout : 0.0f;
     t.out_dropout_seed = out_seed;
     tape->state_ = std::move(saved);

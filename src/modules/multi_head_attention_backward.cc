@@ -4,13 +4,14 @@
 
 #include "mha/multi_head_attention.h"
 #include "modules/multi_head_attention_internal.h"
+#include "modules/positional.h"
 #include "ops/linear.h"
 #include "util/check.h"
 
 namespace mha {
 
 void MhaParamGrads::zero() {
-  for (Tensor* t : {&in_weight, &in_bias, &out_weight, &out_bias}) {
+  for (Tensor* t : {&in_weight, &in_bias, &out_weight, &out_bias, &sinks, &q_norm, &k_norm}) {
     if (t->defined()) std::fill(t->data<float>(), t->data<float>() + t->numel(), 0.0f);
   }
 }
@@ -23,15 +24,22 @@ MhaParamGrads MultiHeadAttention::make_grads() const {
     g.out_weight = Tensor(DType::kF32, out_weight_.shape());
     g.out_bias = Tensor(DType::kF32, out_bias_.shape());
   }
+  if (config_.sinks) g.sinks = Tensor(DType::kF32, sinks_.shape());
+  if (config_.qk_norm) {
+    g.q_norm = Tensor(DType::kF32, q_norm_.shape());
+    g.k_norm = Tensor(DType::kF32, k_norm_.shape());
+  }
+  g.zero();
   return g;
 }
 
 namespace {
 
-void check_grads(const MhaParamGrads& g, const Tensor& in_weight, const Tensor& out_weight) {
-  MHA_CHECK(g.in_weight.defined() && g.in_weight.shape() == in_weight.shape() &&
-                g.out_weight.defined() == out_weight.defined() &&
-                (!out_weight.defined() || g.out_weight.shape() == out_weight.shape()),
+void check_grads(const MhaParamGrads& g, const Tensor& in_weight, const Tensor& out_weight, const Tensor& sinks,
+                 const Tensor& q_norm) {
+  auto same = [](const Tensor& a, const Tensor& b) { return a.defined() == b.defined() && (!a.defined() || a.shape() == b.shape()); };
+  MHA_CHECK(g.in_weight.defined() && g.in_weight.shape() == in_weight.shape() && same(g.out_weight, out_weight) &&
+                same(g.sinks, sinks) && same(g.q_norm, q_norm) && same(g.k_norm, q_norm),
             "MultiHeadAttention::backward: grads were not made for this module (in_weight {} vs {}); use make_grads()",
             shape_string(g.in_weight.shape().data(), g.in_weight.rank()),
             shape_string(in_weight.shape().data(), in_weight.rank()));
@@ -40,7 +48,7 @@ void check_grads(const MhaParamGrads& g, const Tensor& in_weight, const Tensor& 
 }  // namespace
 
 std::vector<Parameter> MultiHeadAttention::parameters(MhaParamGrads* grads) {
-  if (grads) check_grads(*grads, in_weight_, out_weight_);
+  if (grads) check_grads(*grads, in_weight_, out_weight_, sinks_, q_norm_);
   std::vector<Parameter> params;
   const Dims d = dims();
   const char* names[4] = {"q_proj", "k_proj", "v_proj", "out_proj"};
@@ -58,6 +66,14 @@ std::vector<Parameter> MultiHeadAttention::parameters(MhaParamGrads* grads) {
     if (has_bias_[p]) params.push_back({std::string(names[p]) + ".bias", bias(static_cast<Proj>(p)), gb});
     if (p < 3) w_offset += d.rows[p] * d.cols[p], b_offset += d.rows[p];
   }
+  auto extra = [&](const char* name, Tensor& w, Tensor* g) {
+    params.push_back({name, w.view<float>(), grads ? g->view<float>() : View<float>()});
+  };
+  if (config_.sinks) extra("sinks", sinks_, grads ? &grads->sinks : nullptr);
+  if (config_.qk_norm) {
+    extra("q_norm.weight", q_norm_, grads ? &grads->q_norm : nullptr);
+    extra("k_norm.weight", k_norm_, grads ? &grads->k_norm : nullptr);
+  }
   return params;
 }
 
@@ -67,7 +83,7 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   const MhaTape::State& t = *tape.state_;
   MHA_CHECK(t.module == this, "MultiHeadAttention::backward: the tape was recorded by another module");
   MHA_CHECK(grads != nullptr, "MultiHeadAttention::backward: grads must not be null; use make_grads()");
-  check_grads(*grads, in_weight_, out_weight_);
+  check_grads(*grads, in_weight_, out_weight_, sinks_, q_norm_);
   MHA_CHECK(grad_output.rank == 3 && std::equal(t.output_shape.begin(), t.output_shape.end(), grad_output.shape.begin()),
             "MultiHeadAttention::backward: grad_output must have the output's shape {}; got {}",
             shape_string(t.output_shape.data(), 3), shape_string(grad_output));
@@ -117,14 +133,32 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   ai.keep_mask = modules::view_or_empty<uint8_t>(t.keep);
   ai.attn_bias = modules::view_or_empty<float>(t.bias);
   ai.key_lengths = modules::view_or_empty<int64_t>(t.lengths);
+  score_inputs(ai);
   const int64_t Hq = c.num_heads, dh = head_dim_v();
   const View<const float> out_heads = modules::heads_view(data(t.merged), lq, c.v_proj_dim, Hq, dh);
   const View<const float> dout_heads = modules::heads_view(dmerged.data<float>(), lq, c.v_proj_dim, Hq, dh);
   AttentionOptions attention_options = t.options;  // the forward's masking and dropout draws
   attention_options.num_threads = options.num_threads;
   attention_options.backend = options.backend;
-  attention_backward(ai, out_heads, t.lse.view<float>(), dout_heads, {grad_heads.q, grad_heads.k, grad_heads.v},
+  Tensor dsinks = c.sinks ? Tensor(DType::kF32, {Hq}) : Tensor();
+  attention_backward(ai, out_heads, t.lse.view<float>(), dout_heads,
+                     {grad_heads.q, grad_heads.k, grad_heads.v, c.sinks ? dsinks.view<float>() : View<float>()},
                      attention_options);
+  if (c.sinks) {
+    for (int64_t h = 0; h < Hq; ++h) grads->sinks.data<float>()[h] += dsinks.data<float>()[h];
+  }
+  // Back through rotary (a rotation: its transpose) and QK-norm, to the projections' outputs.
+  if (c.rotary.dims > 0) {
+    const modules::RotaryFreqs f = modules::rotary_freqs(c.rotary);
+    modules::rotate(f, grad_heads.q, t.q_first, true, options.num_threads);
+    modules::rotate(f, grad_heads.k, std::vector<int64_t>(static_cast<size_t>(B), 0), true, options.num_threads);
+  }
+  if (c.qk_norm) {
+    modules::rms_norm_backward(t.q_raw.view<float>(), q_norm_.data<float>(), c.qk_norm_eps, grad_heads.q,
+                               grads->q_norm.data<float>());
+    modules::rms_norm_backward(t.k_raw.view<float>(), k_norm_.data<float>(), c.qk_norm_eps, grad_heads.k,
+                               grads->k_norm.data<float>());
+  }
 
   // Input projections.
   MhaInputGrads result;

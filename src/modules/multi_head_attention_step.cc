@@ -90,7 +90,7 @@ std::pair<Tensor, Tensor> as_stored(const View<const float>& k, const View<const
 // for all n.
 template <typename T>
 void attend_stored(const View<const float>& q, const KvCache& cache, const View<float>& out, AttentionOptions opt,
-                   const int64_t* counts) {
+                   const int64_t* counts, const ops::ScoreHeads& score = {}) {
   const int64_t B = q.shape[0], n = q.shape[2];
   const bool windowed = cache.config().window > 0;
   Tensor lengths(DType::kI64, {B});
@@ -102,14 +102,14 @@ void attend_stored(const View<const float>& q, const KvCache& cache, const View<
   // A windowed ring holds exactly the window of its one query: every stored key is visible.
   const int64_t* causal_offset = windowed ? nullptr : offsets.data();
   if constexpr (std::is_same_v<T, float>) {
-    if (cache.quantized() && ops::attention_over_quantized_cache(q, cache, out, opt, causal_offset)) return;
+    if (cache.quantized() && ops::attention_over_quantized_cache(q, cache, out, opt, causal_offset, score)) return;
   }
   Tensor hold[2];
   const auto [ck, cv] = stored_kv<T>(cache, hold);
   const HeadsAs<T> io(q, out);
   BasicAttentionOutputs<T> ao;
   ao.out = io.o;
-  const BasicAttentionInputs<T> ai{io.q, ck, cv, {}, {}, lengths.view<int64_t>()};
+  const BasicAttentionInputs<T> ai{io.q, ck, cv, {}, {}, lengths.view<int64_t>(), score.alibi_slopes, score.sinks};
   if (windowed) {
     attention(ai, ao, opt);
   } else {
@@ -126,7 +126,7 @@ void attend_stored(const View<const float>& q, const KvCache& cache, const View<
 template <typename T>
 void attend_window_chunk(const View<const float>& q, const View<const float>& kh, const View<const float>& vh,
                          const std::vector<int64_t>& counts, KvCache& cache, const View<float>& out,
-                         AttentionOptions opt) {
+                         AttentionOptions opt, const ops::ScoreHeads& score) {
   const KvCacheConfig& c = cache.config();
   const int64_t B = q.shape[0], n = q.shape[2], Hkv = c.kv_heads, dqk = c.head_dim_qk, dv = c.head_dim_v;
   const int64_t before = c.window - 1, span = before + n;
@@ -159,7 +159,8 @@ void attend_window_chunk(const View<const float>& q, const View<const float>& kh
   const HeadsAs<T> io(q, out);
   BasicAttentionOutputs<T> ao;
   ao.out = io.o;
-  const BasicAttentionInputs<T> ai{io.q, kt.view<T>(), vt.view<T>(), {}, {}, lengths.view<int64_t>()};
+  const BasicAttentionInputs<T> ai{io.q,         kt.view<T>(), vt.view<T>(), {}, {}, lengths.view<int64_t>(),
+                                   score.alibi_slopes, score.sinks};
   ops::attention_with_offsets(ai, ao, opt, offsets.data());
   io.finish();
   cache.append(kh, vh, counts);
@@ -268,6 +269,11 @@ MhaOutputs MultiHeadAttention::step_impl(const View<const T>& x, KvCache& cache,
   project_qkv(xr.data, N, qkv.data<float>(), options);
   const modules::Layout l{B, n, batch_first};
   const modules::QkvHeads heads = modules::qkv_heads(c, qkv.data<float>(), nullptr, nullptr, l, l);
+  // QK-norm and rotary embeddings: the new rows of sequence b are positions length(b) + t, and
+  // the cache stores the rotated keys.
+  std::vector<int64_t> first(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) first[b] = cache.length(b);
+  transform_qk(heads.q, heads.k, first, first, options.num_threads);
 
   const int64_t out_width = output_dim();
   const std::vector<int64_t> out_shape = output_shape(B, n);
@@ -276,17 +282,22 @@ MhaOutputs MultiHeadAttention::step_impl(const View<const T>& x, KvCache& cache,
   AttentionOptions opt;
   opt.num_threads = options.num_threads;
   opt.backend = options.backend;
+  opt.softcap = c.softcap;
+  AttentionInputs score_in;
+  score_inputs(score_in);
+  const ops::ScoreHeads score{score_in.alibi_slopes, score_in.sinks};
 
   // The new positions' attention over the cache, appending their keys and values.
   bool single = true;  // one new position per sequence: a windowed ring then holds exactly what it sees
   for (int64_t b = 0; b < B; ++b) single &= counts[b] == 1;
   with_cache_type(cache, [&](auto tag) {
     using E = decltype(tag);
-    if (c.window > 0 && !single) {
-      attend_window_chunk<E>(heads.q, heads.k, heads.v, counts, cache, attn_out, opt);
+    // ALiBi measures key positions, which a windowed ring holds out of order: gather them.
+    if (c.window > 0 && (!single || c.alibi)) {
+      attend_window_chunk<E>(heads.q, heads.k, heads.v, counts, cache, attn_out, opt, score);
     } else {
       cache.append(heads.k, heads.v, counts);
-      attend_stored<E>(heads.q, cache, attn_out, opt, counts.data());
+      attend_stored<E>(heads.q, cache, attn_out, opt, counts.data(), score);
     }
   });
 

@@ -1,5 +1,7 @@
 // attention_backward(): argument checks, then the reference or the fast kernel.
+#include <cmath>
 #include <new>
+#include <vector>
 #include <type_traits>
 
 #include "kernels/cpu/flash.h"
@@ -60,6 +62,31 @@ void narrow(const Tensor& src, const View<T>& dst, int num_threads) {
   });
 }
 
+// dL/d sink_h = -Σ_{b,i} P_sink[b,h,i] · D[b,h,i], P_sink = exp(sink_h - lse), D = dO·O (the sink
+// takes no value, so its score's gradient is P_sink·(0 - D)). Double sums in a fixed order per
+// head: the same bits for any thread count.
+void sink_gradients(const kernels::AttentionParams& p, const void* grad_out, const kernels::Strides4& go_stride,
+                    const View<float>& grad_sinks, int num_threads) {
+  parallel_for(p.q_heads, num_threads, [&](int64_t h) {
+    const double sink = kernels::sink_logit(p, h);
+    double total = 0.0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        const int64_t o = b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+        const int64_t go = b * go_stride[0] + h * go_stride[1] + i * go_stride[2];
+        double dot = 0.0;
+        for (int64_t c = 0; c < p.head_dim_v; ++c) {
+          dot += static_cast<double>(kernels::load_element(p.out, o + c * p.out_stride[3], p.dtype)) *
+                 kernels::load_element(grad_out, go + c * go_stride[3], p.dtype);
+        }
+        const double lse = p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]];
+        total -= std::exp(sink - lse) * dot;
+      }
+    }
+    grad_sinks.data[h * grad_sinks.stride[0]] = static_cast<float>(total);
+  });
+}
+
 // Every element type: the forward's checks with out and lse in their places (only read here)
 // and the gradients' checks, then the fast kernel (16-bit arguments widened as read, gradients
 // rounded once) or the reference — float32 only, so 16-bit arguments reach it as widened copies
@@ -81,6 +108,14 @@ void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const
   check_like(grads.grad_query, in.query, "grad_query", "query");
   check_like(grads.grad_key, in.key, "grad_key", "key");
   check_like(grads.grad_value, in.value, "grad_value", "value");
+  const auto& gs = grads.grad_sinks;
+  if (in.sinks.given()) {
+    MHA_CHECK(gs.given() && gs.rank == 1 && gs.shape[0] == p.q_heads && gs.data,
+              "attention_backward: grad_sinks must be given with shape (Hq,) = ({},) when sinks are; got {}", p.q_heads,
+              shape_string(gs));
+  } else {
+    MHA_CHECK(!gs.given(), "attention_backward: grad_sinks {} given without sinks", shape_string(gs));
+  }
   kernels::AttentionGradParams g;
   g.grad_out = grad_out.data;
   g.grad_out_stride = strides(grad_out);
@@ -94,18 +129,26 @@ void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const
   try {
     if (options.backend != Backend::kReference) {
       kernels::flash_backward(p, g, n);
+      if (p.sinks) sink_gradients(p, grad_out.data, g.grad_out_stride, gs, n);
     } else if constexpr (std::is_same_v<T, float>) {
+      std::vector<double> by_batch(p.sinks ? static_cast<size_t>(p.batch * p.q_heads) : 0, 0.0);
+      g.grad_sinks_by_batch = p.sinks ? by_batch.data() : nullptr;
       parallel_for(p.batch * p.kv_heads, n, [&](int64_t t) {
         kernels::attention_bwd_ref_head<double>(p, g, t / p.kv_heads, t % p.kv_heads);
       });
+      for (int64_t h = 0; p.sinks && h < p.q_heads; ++h) {
+        double total = 0.0;
+        for (int64_t b = 0; b < p.batch; ++b) total += by_batch[static_cast<size_t>(b * p.q_heads + h)];
+        gs.data[h * gs.stride[0]] = static_cast<float>(total);
+      }
     } else {
       const Tensor q = widen(in.query, n), k = widen(in.key, n), v = widen(in.value, n);
       const Tensor o = widen(out, n), go = widen(grad_out, n);
       Tensor gq(DType::kF32, q.shape()), gk(DType::kF32, k.shape()), gv(DType::kF32, v.shape());
       const AttentionInputs in32{q.view<float>(), k.view<float>(), v.view<float>(), in.keep_mask, in.attn_bias,
-                                 in.key_lengths};
+                                 in.key_lengths, in.alibi_slopes, in.sinks};
       backward<float>(in32, o.view<float>(), lse, go.view<float>(),
-                      {gq.view<float>(), gk.view<float>(), gv.view<float>()}, options);
+                      {gq.view<float>(), gk.view<float>(), gv.view<float>(), gs}, options);
       narrow(gq, grads.grad_query, n);
       narrow(gk, grads.grad_key, n);
       narrow(gv, grads.grad_value, n);

@@ -163,6 +163,35 @@ kernels::AttentionParams make_attention_params(const BasicAttentionInputs<T>& in
     p.key_lengths_stride = len.stride[0];
   }
 
+  if (in.alibi_slopes.given()) {
+    const auto& a = in.alibi_slopes;
+    const bool per_head = a.rank == 1 && a.shape[0] == p.q_heads;
+    const bool per_batch = a.rank == 2 && a.shape[0] == p.batch && a.shape[1] == p.q_heads;
+    MHA_CHECK(per_head || per_batch, "attention: alibi_slopes must have shape (Hq,) = ({},) or (B, Hq) = ({}, {}); got {}",
+              p.q_heads, p.batch, p.q_heads, shape_string(a));
+    check_data(a, "alibi_slopes");
+    p.alibi = a.data;
+    p.alibi_stride = per_head ? std::array<int64_t, 2>{0, a.stride[0]} : std::array<int64_t, 2>{a.stride[0], a.stride[1]};
+    for (int64_t b = 0; b < (per_head ? 1 : p.batch); ++b)
+      for (int64_t h = 0; h < p.q_heads; ++h)
+        MHA_CHECK(std::isfinite(kernels::alibi_slope(p, b, h)), "attention: alibi_slopes{} = {} is not finite",
+                  per_head ? fmt::format("[{}]", h) : fmt::format("[{}, {}]", b, h), kernels::alibi_slope(p, b, h));
+  }
+  if (in.sinks.given()) {
+    const auto& s = in.sinks;
+    MHA_CHECK(s.rank == 1 && s.shape[0] == p.q_heads, "attention: sinks must have shape (Hq,) = ({},); got {}", p.q_heads,
+              shape_string(s));
+    check_data(s, "sinks");
+    p.sinks = s.data;
+    p.sinks_stride = s.stride[0];
+    for (int64_t h = 0; h < p.q_heads; ++h)
+      MHA_CHECK(std::isfinite(kernels::sink_logit(p, h)), "attention: sinks[{}] = {} is not finite", h,
+                kernels::sink_logit(p, h));
+  }
+  MHA_CHECK(std::isfinite(options.softcap) && options.softcap >= 0.0f,
+            "attention: softcap must be finite and >= 0 (0 turns it off); got {}", options.softcap);
+  p.softcap = options.softcap;
+
   p.scale = options.scale ? *options.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim_qk));
   MHA_CHECK(std::isfinite(p.scale), "attention: scale must be finite; got {}", p.scale);
   MHA_CHECK(options.dropout_p >= 0.0f && options.dropout_p <= 1.0f,
@@ -236,14 +265,20 @@ kernels::AttentionParams make_attention_params(const BasicAttentionInputs<T>& in
   }
 
   // Outputs may not overlap inputs or each other.
-  const Extent inputs[] = {extent_of(q, "query"),         extent_of(k, "key"),
-                           extent_of(v, "value"),         extent_of(in.keep_mask, "keep_mask"),
-                           extent_of(in.attn_bias, "attn_bias"), extent_of(in.key_lengths, "key_lengths")};
-  const char* input_names[] = {"query", "key", "value", "keep_mask", "attn_bias", "key_lengths"};
+  const Extent inputs[] = {extent_of(q, "query"),
+                           extent_of(k, "key"),
+                           extent_of(v, "value"),
+                           extent_of(in.keep_mask, "keep_mask"),
+                           extent_of(in.attn_bias, "attn_bias"),
+                           extent_of(in.key_lengths, "key_lengths"),
+                           extent_of(in.alibi_slopes, "alibi_slopes"),
+                           extent_of(in.sinks, "sinks")};
+  const char* input_names[] = {"query", "key", "value", "keep_mask", "attn_bias", "key_lengths", "alibi_slopes", "sinks"};
+  constexpr int kInputs = sizeof(input_names) / sizeof(input_names[0]);
   const Extent outputs[] = {extent_of(o, "out"), extent_of(out.lse, "lse"), extent_of(out.weights, "weights")};
   const char* output_names[] = {"out", "lse", "weights"};
   for (int a = 0; a < 3; ++a) {
-    for (int b = 0; b < 6; ++b)
+    for (int b = 0; b < kInputs; ++b)
       MHA_CHECK(!overlaps(outputs[a], inputs[b]), "attention: output {} overlaps input {}",
                 output_names[a], input_names[b]);
     for (int b = a + 1; b < 3; ++b)

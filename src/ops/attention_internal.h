@@ -11,6 +11,12 @@
 
 namespace mha::ops {
 
+// The per-head score inputs of attention over caches (see mha/attention.h): ALiBi slopes (Hq,)
+// and sink logits (Hq,), each optional; checked by the caller (a module's own tensors).
+struct ScoreHeads {
+  View<const float> alibi_slopes, sinks;
+};
+
 // attention() with explicit per-batch causal offsets: query i of batch b sits at key position
 // i + causal_offset[b] (B values; options.causal must not be kNone). The KV cache uses it for
 // sequences of different lengths and for windowed chunks.
@@ -27,13 +33,14 @@ void attention_with_offsets(const BasicAttentionInputs<float16>& in, const Basic
 // Returns false, computing nothing, where the decode kernel does not apply (more than
 // kMaxDecodeRows query rows per kv head); the caller then attends over keys_as_float().
 bool attention_over_quantized_cache(const View<const float>& q, const KvCache& cache, const View<float>& out,
-                                    const AttentionOptions& options, const int64_t* causal_offset);
+                                    const AttentionOptions& options, const int64_t* causal_offset,
+                                    const ScoreHeads& score = {});
 
 // attend() over a paged pool (checked by the caller): the decode kernel through the sequences'
 // block tables for up to kMaxDecodeRows query rows per kv head, else per sequence over float32
 // copies. 16-bit pools attend in their type (queries rounded to it, the result widened back).
 void attention_over_paged_cache(const View<const float>& q, const PagedKvCache& cache, const std::vector<int64_t>& ids,
-                                const View<float>& out, const AttentionOptions& options);
+                                const View<float>& out, const AttentionOptions& options, const ScoreHeads& score = {});
 
 }  // namespace mha::ops
 

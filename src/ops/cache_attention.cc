@@ -25,7 +25,7 @@ kernels::Strides4 strides_of(const std::array<int64_t, kMaxRank>& s) { return {s
 template <typename T>
 kernels::AttentionParams decode_params(const View<const T>& q, const View<T>& out, int64_t kv_heads, int64_t dk,
                                        int64_t dv, const AttentionOptions& options, const int64_t* causal_offset,
-                                       int64_t window) {
+                                       int64_t window, const ScoreHeads& score) {
   kernels::AttentionParams p;
   p.batch = q.shape[0];
   p.q_heads = q.shape[1];
@@ -43,13 +43,18 @@ kernels::AttentionParams decode_params(const View<const T>& q, const View<T>& ou
   p.causal = causal_offset ? Causal::kBottomRight : Causal::kNone;
   p.causal_offset = causal_offset;
   p.window = causal_offset ? window : 0;
+  MHA_CHECK(std::isfinite(options.softcap) && options.softcap >= 0.0f,
+            "attention: softcap must be finite and >= 0 (0 turns it off); got {}", options.softcap);
+  p.softcap = options.softcap;
+  if (score.alibi_slopes.given()) p.alibi = score.alibi_slopes.data, p.alibi_stride = {0, score.alibi_slopes.stride[0]};
+  if (score.sinks.given()) p.sinks = score.sinks.data, p.sinks_stride = score.sinks.stride[0];
   return p;
 }
 
 // The decode over a paged pool in element type T (float for float32, int8 and int4 pools).
 template <typename T>
 void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::vector<int64_t>& ids,
-                  const View<T>& out, const AttentionOptions& options) {
+                  const View<T>& out, const AttentionOptions& options, const ScoreHeads& score) {
   const PagedKvCacheConfig& c = cache.config();
   const int64_t S = q.shape[0], n = q.shape[2], P = c.page_size;
   std::vector<int64_t> lengths(static_cast<size_t>(S)), offsets(static_cast<size_t>(S));
@@ -72,7 +77,7 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
     }
   }
   kernels::AttentionParams p =
-      decode_params(q, out, c.kv_heads, c.head_dim_qk, c.head_dim_v, options, offsets.data(), c.window);
+      decode_params(q, out, c.kv_heads, c.head_dim_qk, c.head_dim_v, options, offsets.data(), c.window, score);
   p.kv_len = kv_len;
   p.key_lengths = lengths.data();
   p.key_lengths_stride = 1;
@@ -115,6 +120,8 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
     };
     const int64_t L = lengths[s];
     BasicAttentionInputs<T> in;
+    in.alibi_slopes = score.alibi_slopes;
+    in.sinks = score.sinks;
     in.query = one(q);
     in.key = View<const T>(kt.data<T>(), {1, c.kv_heads, L, c.head_dim_qk});
     in.value = View<const T>(vt.data<T>(), {1, c.kv_heads, L, c.head_dim_v});
@@ -142,7 +149,8 @@ Tensor rounded(const View<const float>& x) {
 }  // namespace
 
 bool attention_over_quantized_cache(const View<const float>& q, const KvCache& cache, const View<float>& out,
-                                    const AttentionOptions& options, const int64_t* causal_offset) {
+                                    const AttentionOptions& options, const int64_t* causal_offset,
+                                    const ScoreHeads& score) {
   const KvCacheConfig& c = cache.config();
   MHA_CHECK(cache.quantized() && q.rank == 4 && out.rank == 4 && q.shape[0] == c.batch &&
                 q.shape[1] % c.kv_heads == 0 && q.shape[3] == c.head_dim_qk && out.shape[0] == q.shape[0] &&
@@ -154,7 +162,7 @@ bool attention_over_quantized_cache(const View<const float>& q, const KvCache& c
   const View<const uint8_t> kc = cache.key_codes(), vc = cache.value_codes();
   const View<const float> ks = cache.key_scales(), vs = cache.value_scales(), ch = cache.key_channel_scales();
   kernels::AttentionParams p =
-      decode_params(q, out, c.kv_heads, c.head_dim_qk, c.head_dim_v, options, causal_offset, 0);
+      decode_params(q, out, c.kv_heads, c.head_dim_qk, c.head_dim_v, options, causal_offset, 0, score);
   p.kv_len = cache.capacity();
   p.key_lengths = lengths.data();
   p.key_lengths_stride = 1;
@@ -175,12 +183,12 @@ bool attention_over_quantized_cache(const View<const float>& q, const KvCache& c
 }
 
 void attention_over_paged_cache(const View<const float>& q, const PagedKvCache& cache, const std::vector<int64_t>& ids,
-                                const View<float>& out, const AttentionOptions& options) {
+                                const View<float>& out, const AttentionOptions& options, const ScoreHeads& score) {
   auto in_type = [&](auto tag) {  // 16-bit pools: queries rounded to T, the result widened back
     using T = decltype(tag);
     const Tensor q16 = rounded<T>(q);
     Tensor o16(DTypeOf<T>::value, {out.shape[0], out.shape[1], out.shape[2], out.shape[3]});
-    paged_decode<T>(q16.view<T>(), cache, ids, o16.view<T>(), options);
+    paged_decode<T>(q16.view<T>(), cache, ids, o16.view<T>(), options, score);
     const Tensor wide = o16.converted(DType::kF32);
     const View<const float> w = wide.view<float>();
     for (int64_t a = 0; a < out.shape[0]; ++a)
@@ -191,7 +199,7 @@ void attention_over_paged_cache(const View<const float>& q, const PagedKvCache& 
   switch (cache.config().dtype) {
     case CacheType::kBF16: in_type(bfloat16{}); break;
     case CacheType::kF16: in_type(float16{}); break;
-    default: paged_decode<float>(q, cache, ids, out, options); break;
+    default: paged_decode<float>(q, cache, ids, out, options, score); break;
   }
 }
 

@@ -16,6 +16,7 @@
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
 #include "util/convert-inl.h"
+#include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash_plan.h"
 #include "kernels/cpu/tiles-inl.h"
 #include "kernels/cpu/transpose-inl.h"
@@ -80,6 +81,9 @@ struct TaskRows {
   int64_t* hi;
   int32_t* lo_rel;          // lo and hi relative to the block being masked (MaskBlock): int32
   int32_t* hi_rel;          // lanes compare them, and they fit whatever the key count
+  float* slope;             // ALiBi (if p.alibi): the row's slope (0 for invalid rows),
+  int64_t* pos;             // its query position,
+  float* pos_rel;           // and that position relative to the block being masked
   KeyRange keys;            // union over the task's rows
 };
 
@@ -116,8 +120,36 @@ inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_
       t.hi[r] = k.hi;
     }
   }
+  if (p.alibi) {
+    t.slope = ws.get<float>(Workspace::kTileSlope, t.mpad);
+    t.pos = ws.get<int64_t>(Workspace::kTilePos, t.mpad);
+    t.pos_rel = ws.get<float>(Workspace::kTilePosRel, t.mpad);
+    for (size_t r = 0; r < t.mpad; ++r) {
+      t.slope[r] = t.valid[r] ? alibi_slope(p, b, t.head[r]) : 0.0f;
+      t.pos[r] = t.valid[r] ? query_position(p, b, t.query[r]) : 0;
+    }
+  }
   t.keys = task_keys(p, b, t.i0, t.i0 + t.nq);
   return t;
+}
+
+// Folds each valid row's sink into its final (m, l): the sink is one more term exp(sink - m) of
+// the denominator, added once at the end as the reference adds it (not carried through the
+// online rescaling). Sets factor[r] so that out = Ot · factor / l and LSE = m + ln l; a row
+// that saw no key (l = 0) gets factor 0, l = 1, m = sink: zeros, LSE = sink.
+inline void FoldSinks(const AttentionParams& p, const TaskRows& t, float* m, float* l, float* factor) {
+  for (size_t r = 0; r < t.mpad; ++r) {
+    factor[r] = 1.0f;
+    if (!t.valid[r]) continue;
+    const float sink = sink_logit(p, t.head[r]);
+    if (m[r] >= sink) {  // then m is finite: exp(sink - m) <= 1
+      l[r] += std::exp(sink - m[r]);
+    } else {  // sink > m (or m is NaN: NaN reaches l and the output)
+      factor[r] = l[r] == 0.0f ? 0.0f : std::exp(m[r] - sink);
+      l[r] = l[r] * factor[r] + 1.0f;
+      m[r] = sink;
+    }
+  }
 }
 
 // dst[d][r] = src[row r][d] · scale for d < width (src: a (B, H, T, width) tensor of element
@@ -224,10 +256,39 @@ inline KeyBlock MakeBlock(const AttentionParams& p, const TaskRows& t, int64_t j
   return k;
 }
 
-// Bias, then -inf outside each row's range and where keep_mask is 0.
+// Softcapping of a block's scores (n keys × M rows): s = cap·tanh(s / cap). If grad is given,
+// it receives d(capped)/d(s) = 1 - tanh² for the backward.
+inline void SoftcapBlock(DF d, float cap, int64_t n, size_t M, float* st, float* grad) {
+  const auto c = hn::Set(d, cap), inv = hn::Set(d, 1.0f / cap), one = hn::Set(d, 1.0f);
+  const size_t N = hn::Lanes(d);
+  for (size_t x = 0; x < static_cast<size_t>(n) * M; x += N) {
+    const auto th = SoftcapTanh(d, hn::Mul(hn::Load(d, st + x), inv));
+    hn::Store(hn::Mul(c, th), d, st + x);
+    if (grad) hn::Store(hn::NegMulAdd(th, th, one), d, grad + x);
+  }
+}
+
+// Whether a block's scores need MaskBlock: partial visibility, a bias, or ALiBi.
+inline bool NeedsMask(const AttentionParams& p, const KeyBlock& k) {
+  return k.kind == BlockKind::kPartial || p.attn_bias || p.alibi;
+}
+
+// Bias and ALiBi, then -inf outside each row's range and where keep_mask is 0.
 inline void MaskBlock(DF d, const AttentionParams& p, const TaskRows& t, const KeyBlock& k, float* st) {
   const size_t N = hn::Lanes(d);
   const int64_t jn = std::min(k.n, p.kv_len - k.a);  // keys that exist
+  if (p.alibi) {
+    // s -= slope · |pos - j|, rows in the lanes; distances as float (exact below 2^24 keys).
+    for (size_t r = 0; r < t.mpad; ++r) t.pos_rel[r] = static_cast<float>(t.pos[r] - k.a);
+    for (int64_t j = 0; j < k.n; ++j) {
+      const auto jj = hn::Set(d, static_cast<float>(j));
+      for (size_t rv = 0; rv < t.nvec; ++rv) {
+        float* s = st + j * t.mpad + rv * N;
+        const auto dist = hn::Abs(hn::Sub(hn::Load(d, t.pos_rel + rv * N), jj));
+        hn::Store(hn::NegMulAdd(hn::Load(d, t.slope + rv * N), dist, hn::Load(d, s)), d, s);
+      }
+    }
+  }
   if (p.attn_bias) {
     for (size_t r = 0; r < t.mpad; ++r) {
       if (!t.valid[r]) continue;

@@ -139,6 +139,7 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   float* rowvec = ws.get<float>(Workspace::kBwdRowStats, 2 * mmax);  // per q block: lse and D of its rows
   float* vstage = kWide ? nullptr : ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1));
   float* qstage = kWide ? nullptr : ws.get<float>(Workspace::kQueryStage, mmax * D);
+  float* capgrad = p.softcap > 0 ? ws.get<float>(Workspace::kBwdSoftcapGrad, kKeyBlock * mmax) : nullptr;
   float* dostage = kWide ? nullptr : ws.get<float>(Workspace::kBwdGradOutStage, mmax * std::max<size_t>(Dv, 1));
   std::fill(dq, dq + static_cast<size_t>(G * Tq) * Dp, 0.0f);
 
@@ -209,7 +210,8 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       } else {
         ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
       }
-      if (k.kind == BlockKind::kPartial || p.attn_bias) MaskBlock(d, p, t, k, st);
+      if (p.softcap > 0) SoftcapBlock(d, p.softcap, k.n, M, st, capgrad);
+      if (NeedsMask(p, k)) MaskBlock(d, p, t, k, st);
       // dP = V · dOᵀ for the same keys (rows of V past Tk read the last row; their P is 0).
       if constexpr (!kWide) {
         ScoresBlock<true>(d, dot, M, t.nvec, vstage, p.head_dim_v, 1, kb, k.n, static_cast<int64_t>(nk), Dv, dpt);
@@ -237,7 +239,8 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
         for (size_t rv = 0; rv < t.nvec; ++rv) {
           float* s = st + j * M + rv * N;
           const auto pr = hn::Load(d, s);
-          const auto ds = hn::Mul(pr, hn::Sub(hn::Load(d, dpt + j * M + rv * N), hn::Load(d, d_r + rv * N)));
+          auto ds = hn::Mul(pr, hn::Sub(hn::Load(d, dpt + j * M + rv * N), hn::Load(d, d_r + rv * N)));
+          if (capgrad) ds = hn::Mul(ds, hn::Load(d, capgrad + j * M + rv * N));
           hn::Store(hn::IfThenZeroElse(hn::Eq(pr, hn::Zero(d)), ds), d, s);
         }
       const size_t nv = static_cast<size_t>(k.nv), koff = static_cast<size_t>(k.a - jb);

@@ -335,9 +335,23 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
         }
       }
     }
-    // Mask, then the online softmax of each row (keys in lanes: horizontal max and sum).
+    // Softcap and ALiBi, mask, then the online softmax of each row (keys in lanes: horizontal
+    // max and sum).
     for (int64_t r = 0; r < R; ++r) {
       float* sr = s + r * block;
+      if (p.softcap > 0 || p.alibi) {
+        const int64_t h = rows.head(p, hk, r);
+        const auto cap = hn::Set(d, p.softcap), inv = hn::Set(d, 1.0f / p.softcap);
+        const auto slope = hn::Set(d, alibi_slope(p, b, h));
+        // Distances as float, exact below 2^24 keys (as in the prefill kernels).
+        const auto pos = hn::Set(d, static_cast<float>(query_position(p, b, rows.query(p, r)) - j0));
+        for (size_t kv = 0; kv < kBlockVecs; ++kv) {
+          auto x = hn::Load(d, sr + kv * N);
+          if (p.softcap > 0) x = hn::Mul(cap, SoftcapTanh(d, hn::Mul(x, inv)));
+          if (p.alibi) x = hn::NegMulAdd(slope, hn::Abs(hn::Sub(pos, hn::Iota(d, static_cast<float>(kv * N)))), x);
+          hn::Store(x, d, sr + kv * N);
+        }
+      }
       auto mx = hn::Set(d, kNegInf);
       // Key indices relative to the block fit int32 lanes whatever the key count (> 2^31 too).
       const auto lo_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(lo[r] - j0, -1, jn) - 1));
@@ -396,6 +410,11 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
     const int64_t out = b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
     double sum = 0.0;
     std::fill(acc, acc + p.head_dim_v, 0.0);
+    if (p.sinks) {  // the sink's term joins the denominator once, in the merge
+      const float sink = sink_logit(p, h);
+      mx = std::max(mx, sink);
+      sum = std::exp2((static_cast<double>(sink) - mx) * kLog2e);
+    }
     if (mx != kNegInf) {
       for (int64_t s = 0; s < parts; ++s) {
         if (l[s * R + r] == 0.0f) continue;  // this chunk saw nothing of the row

@@ -182,7 +182,8 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
     } else {
       ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
     }
-    if (k.kind == BlockKind::kPartial || p.attn_bias) MaskBlock(d, p, t, k, st);
+    if (p.softcap > 0) SoftcapBlock(d, p.softcap, k.n, M, st, nullptr);
+    if (NeedsMask(p, k)) MaskBlock(d, p, t, k, st);
 
     // Online softmax, one vector of rows at a time; four partial maxima and sums per vector
     // keep the dependency chains short (k.n is a multiple of 4).
@@ -242,9 +243,14 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
     l = l_spill;
   }
 
-  // out = Ot / l; fully masked rows (l = 0) give zeros and LSE = -inf.
+  // out = Ot / l; fully masked rows (l = 0) give zeros and LSE = -inf (with sinks: LSE = sink).
   float* inv = alpha;  // alpha is free now
-  for (size_t r = 0; r < M; ++r) inv[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+  if (p.sinks) {
+    FoldSinks(p, t, m, l, inv);
+    for (size_t r = 0; r < M; ++r) inv[r] = l[r] == 0.0f ? 0.0f : inv[r] / l[r];
+  } else {
+    for (size_t r = 0; r < M; ++r) inv[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+  }
   uint8_t* nonfinite = ws.get<uint8_t>(Workspace::kNonfinite, M);
   WriteRows<T>(d, p, t, ot, inv, nonfinite);
   // A NaN or infinity in a value row is multiplied by P = 0 for the rows of the block that do

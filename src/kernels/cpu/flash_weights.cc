@@ -59,7 +59,8 @@ void ProbabilityBlocks(const AttentionParams& p, const FlashPlan& plan, int64_t 
     } else {
       ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
     }
-    if (k.kind == BlockKind::kPartial || p.attn_bias) MaskBlock(d, p, t, k, st);
+    if (p.softcap > 0) SoftcapBlock(d, p.softcap, k.n, M, st, nullptr);
+    if (NeedsMask(p, k)) MaskBlock(d, p, t, k, st);
     for (int64_t j = 0; j < k.n; ++j)
       for (size_t rv = 0; rv < t.nvec; ++rv) {
         float* s = st + j * M + rv * N;

@@ -15,6 +15,7 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
   const Dropout dropout(p.dropout_p, p.dropout_seed);
   std::vector<Acc> dk(Tk * D, Acc(0)), dv(Tk * Dv, Acc(0)), score(Tk), prob(Tk), dprob(Tk), dq(D);
   std::vector<bool> contributes(Tk);
+  std::vector<Acc> cap_grad(Tk, Acc(1));  // d(capped score)/d(scaled score) = 1 - tanh²
   auto K = [&](int64_t j, int64_t d) {
     return static_cast<Acc>(static_cast<const float*>(p.k)[b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2] + d * p.k_stride[3]]);
   };
@@ -45,6 +46,12 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
         Acc dot = 0;
         for (int64_t d = 0; d < D; ++d) dot += Q(d) * K(j, d);
         Acc s = static_cast<Acc>(p.scale) * dot;
+        if (p.softcap > 0) {
+          const Acc t = std::tanh(s / static_cast<Acc>(p.softcap));
+          s = static_cast<Acc>(p.softcap) * t;
+          cap_grad[j] = 1 - t * t;
+        }
+        if (p.alibi) s -= static_cast<Acc>(alibi_slope(p, b, h)) * static_cast<Acc>(std::abs(query_position(p, b, i) - j));
         if (p.attn_bias) {
           s += static_cast<Acc>(p.attn_bias[b * p.attn_bias_stride[0] + h * p.attn_bias_stride[1] + i * p.attn_bias_stride[2] +
                                        j * p.attn_bias_stride[3]]);
@@ -55,7 +62,9 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
         contributes[j] = s != kNegInf;
       }
       if (nan) max = std::numeric_limits<Acc>::quiet_NaN();
-      Acc sum = 0;
+      const Acc sink = p.sinks ? static_cast<Acc>(sink_logit(p, h)) : kNegInf;
+      if (p.sinks && !nan) max = std::max(max, sink);
+      Acc sum = p.sinks ? std::exp(sink - max) : Acc(0);
       for (int64_t j = 0; j < Tk; ++j) sum += contributes[j] ? std::exp(score[j] - max) : Acc(0);
       // dP and D = Σ_j P_d dP_d over the contributing keys.
       Acc Drow = 0;
@@ -74,12 +83,13 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
       std::fill(dq.begin(), dq.end(), Acc(0));
       for (int64_t j = 0; j < Tk; ++j) {
         if (!contributes[j]) continue;
-        const Acc ds = prob[j] * (dprob[j] - Drow) * static_cast<Acc>(p.scale);
+        const Acc ds = prob[j] * (dprob[j] - Drow) * cap_grad[j] * static_cast<Acc>(p.scale);
         for (int64_t d = 0; d < D; ++d) {
           dq[d] += ds * K(j, d);
           dk[j * D + d] += ds * Q(d);
         }
       }
+      if (p.sinks && g.grad_sinks_by_batch) g.grad_sinks_by_batch[b * p.q_heads + h] -= std::exp(sink - max) / sum * Drow;
       float* gq = static_cast<float*>(g.grad_q) + b * g.grad_q_stride[0] + h * g.grad_q_stride[1] + i * g.grad_q_stride[2];
       for (int64_t d = 0; d < D; ++d) gq[d * g.grad_q_stride[3]] = static_cast<float>(dq[d]);
     }

@@ -3,7 +3,8 @@
 // For each query row (recomputing P exactly as attention_ref does):
 //   dP_d = dO · Vᵀ,  dP = dP_d ⊙ Z/(1 - p)   (Z: the forward's dropout keep decisions)
 //   D    = rowsum(dO ⊙ O) = Σ_j P_d,j dP_d,j
-//   dS   = P ⊙ (dP - D)
+//   dS   = P ⊙ (dP - D)                      (⊙ (1 - tanh²) with a softcap)
+//   dsink = -P_sink · D                       (sinks: P_sink = exp(sink - lse))
 //   dQ   = scale · dS · K,  dK += scale · dSᵀ · Q,  dV += P_dᵀ · dO
 // accumulating in double. Masked keys and keys with a -inf score get dS = 0 (they never touch
 // K or V), as in the forward.
@@ -22,6 +23,9 @@ struct AttentionGradParams {
   void* grad_q = nullptr;          Strides4 grad_q_stride{};    // (B, Hq, Tq, Dqk)
   void* grad_k = nullptr;          Strides4 grad_k_stride{};    // (B, Hkv, Tk, Dqk)
   void* grad_v = nullptr;          Strides4 grad_v_stride{};    // (B, Hkv, Tk, Dv)
+  // Sinks (reference only): dL/d sink_h summed over the rows of batch b, at [b · Hq + h]. The op
+  // sums over b; the fast path computes it from out, lse and dO instead.
+  double* grad_sinks_by_batch = nullptr;
 };
 
 // Writes dQ for the query heads of kv head hk and dK, dV of (b, hk). Single-threaded.

@@ -44,6 +44,8 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
       dot += static_cast<Acc>(load_element(p.q, q_row + d * p.q_stride[3], p.dtype)) *
              static_cast<Acc>(load_element(p.k, k_row + d * p.k_stride[3], p.dtype));
     Acc s = static_cast<Acc>(p.scale) * dot;
+    if (p.softcap > 0) s = static_cast<Acc>(p.softcap) * std::tanh(s / static_cast<Acc>(p.softcap));
+    if (p.alibi) s -= static_cast<Acc>(alibi_slope(p, b, h)) * static_cast<Acc>(std::abs(query_position(p, b, i) - j));
     if (p.attn_bias) {
       s += static_cast<Acc>(p.attn_bias[b * p.attn_bias_stride[0] + h * p.attn_bias_stride[1] + i * p.attn_bias_stride[2] +
                                    j * p.attn_bias_stride[3]]);
@@ -62,11 +64,14 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
     if (score[j] > max) max = score[j];
   }
   const bool fully_masked = max == kNegInf;
+  // A sink joins the denominator: the shift is the larger of the two, the sum starts with its term.
+  const Acc sink = p.sinks ? static_cast<Acc>(sink_logit(p, h)) : kNegInf;
+  if (p.sinks && !std::isnan(max)) max = std::max(max, sink);
 
   // A key contributes unless it is masked or its score is -inf: those weights are exactly 0,
   // also in a NaN row (where exp(-inf - NaN) would be NaN).
   auto contributes = [&](int64_t j) { return visible[j] && !fully_masked && score[j] != kNegInf; };
-  Acc sum = 0;
+  Acc sum = p.sinks ? std::exp(sink - max) : Acc(0);
   for (int64_t j = 0; j < Tk; ++j) {
     row.prob[j] = contributes(j) ? std::exp(score[j] - max) : Acc(0);
     sum += row.prob[j];
@@ -81,7 +86,7 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
     for (int64_t d = 0; d < p.head_dim_v; ++d)
       row.out[d] += row.prob[j] * static_cast<Acc>(load_element(p.v, v_row + d * p.v_stride[3], p.dtype));
   }
-  row.lse = fully_masked ? kNegInf : max + std::log(sum);
+  row.lse = fully_masked ? sink : max + std::log(sum);  // sink is -inf without sinks
 }
 
 template <typename Acc>

@@ -1,0 +1,304 @@
+// Softcap, ALiBi and sinks through the public API: each against an equivalent formulation the
+// library already had (ALiBi as an explicit bias, a sink as one more key), the fully masked
+// row, and the argument checks. The kernels against the reference: flash_attention_test.cc and
+// attention_backward_test.cc; the models' own formulas: tests/python/test_score_variants.py.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "mha/attention.h"
+#include "mha/kv_cache.h"
+#include "mha/multi_head_attention.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+double max_diff(const Tensor& a, const Tensor& b) {
+  double m = 0;
+  for (int64_t i = 0; i < a.numel(); ++i)
+    m = std::max(m, std::fabs(static_cast<double>(a.data<float>()[i]) - b.data<float>()[i]));
+  return m;
+}
+
+TEST(ScoreVariants, AlibiEqualsItsExplicitBias) {
+  Rng rng(base_seed() + 140);
+  const int64_t B = 2, Hq = 4, Hkv = 2, D = 16;
+  for (Causal causal : {Causal::kNone, Causal::kTopLeft, Causal::kBottomRight}) {
+    for (int64_t Tq : {1, 5, 70}) {
+      const int64_t Tk = Tq == 1 ? 300 : 90;
+      SCOPED_TRACE("causal " + std::to_string(static_cast<int>(causal)) + " Tq " + std::to_string(Tq));
+      const Tensor q = random_tensor(rng, {B, Hq, Tq, D}), k = random_tensor(rng, {B, Hkv, Tk, D}),
+                   v = random_tensor(rng, {B, Hkv, Tk, D}), lengths = random_lengths(rng, B, Tk);
+      Tensor slopes(DType::kF32, {B, Hq}), bias(DType::kF32, {B, Hq, Tq, Tk});
+      for (int64_t x = 0; x < B * Hq; ++x) slopes.data<float>()[x] = std::exp2(-static_cast<float>(x % Hq + 1));
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t L = lengths.data<int64_t>()[b];
+        for (int64_t h = 0; h < Hq; ++h)
+          for (int64_t i = 0; i < Tq; ++i)
+            for (int64_t j = 0; j < Tk; ++j) {
+              const int64_t pos = causal == Causal::kTopLeft ? i : i + L - Tq;
+              bias.view<float>().at(b, h, i, j) = -slopes.view<float>().at(b, h) * static_cast<float>(std::llabs(pos - j));
+            }
+      }
+      AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
+      in.key_lengths = lengths.view<int64_t>();
+      Tensor out_a(DType::kF32, {B, Hq, Tq, D}), out_b(DType::kF32, {B, Hq, Tq, D});
+      Tensor lse_a(DType::kF32, {B, Hq, Tq}), lse_b(DType::kF32, {B, Hq, Tq});
+      AttentionOptions opt;
+      opt.causal = causal;
+      AttentionInputs with_alibi = in, with_bias = in;
+      with_alibi.alibi_slopes = slopes.view<float>();
+      with_bias.attn_bias = bias.view<float>();
+      attention(with_alibi, {out_a.view<float>(), lse_a.view<float>()}, opt);
+      attention(with_bias, {out_b.view<float>(), lse_b.view<float>()}, opt);
+      EXPECT_LE(max_diff(out_a, out_b), 1e-5);
+      // LSEs equal where finite (fully masked rows: -inf in both).
+      for (int64_t x = 0; x < lse_a.numel(); ++x) {
+        const float a = lse_a.data<float>()[x], b = lse_b.data<float>()[x];
+        if (std::isinf(b)) {
+          EXPECT_EQ(a, b) << x;
+        } else {
+          EXPECT_NEAR(a, b, 1e-4 * std::max(1.0f, std::fabs(b))) << x;
+        }
+      }
+    }
+  }
+}
+
+// A sink is a key whose score is the sink logit and whose value row is zero: prepend such a key
+// (k = 0, v = 0, bias = sink for it, 0 for the others). Bottom-right alignment keeps every other
+// key's visibility, since the extra key moves the last query's position by one as well.
+TEST(ScoreVariants, SinkEqualsAnExtraKeyWithZeroValue) {
+  Rng rng(base_seed() + 141);
+  const int64_t B = 2, Hq = 6, Hkv = 3, D = 8, Dv = 5;
+  for (Causal causal : {Causal::kNone, Causal::kBottomRight}) {
+    for (int64_t Tq : {1, 3, 50}) {
+      const int64_t Tk = Tq == 1 ? 2000 : 77;
+      SCOPED_TRACE("causal " + std::to_string(static_cast<int>(causal)) + " Tq " + std::to_string(Tq));
+      const Tensor q = random_tensor(rng, {B, Hq, Tq, D}), k = random_tensor(rng, {B, Hkv, Tk, D}),
+                   v = random_tensor(rng, {B, Hkv, Tk, Dv}), sinks = random_tensor(rng, {Hq}, 2.0f);
+      Tensor k1(DType::kF32, {B, Hkv, Tk + 1, D}), v1(DType::kF32, {B, Hkv, Tk + 1, Dv}), bias(DType::kF32, {Hq, 1, Tk + 1});
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t j = 0; j <= Tk; ++j) {
+            for (int64_t d = 0; d < D; ++d) k1.view<float>().at(b, h, j, d) = j ? k.view<float>().at(b, h, j - 1, d) : 0.0f;
+            for (int64_t d = 0; d < Dv; ++d) v1.view<float>().at(b, h, j, d) = j ? v.view<float>().at(b, h, j - 1, d) : 0.0f;
+          }
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t j = 0; j <= Tk; ++j) bias.view<float>().at(h, 0, j) = j ? 0.0f : sinks.data<float>()[h];
+      AttentionOptions opt;
+      opt.causal = causal;
+      AttentionInputs with_sinks{q.view<float>(), k.view<float>(), v.view<float>()};
+      with_sinks.sinks = sinks.view<float>();
+      const AttentionInputs with_key{q.view<float>(), k1.view<float>(), v1.view<float>(), {}, bias.view<float>()};
+      Tensor out_a(DType::kF32, {B, Hq, Tq, Dv}), out_b(DType::kF32, {B, Hq, Tq, Dv});
+      Tensor lse_a(DType::kF32, {B, Hq, Tq}), lse_b(DType::kF32, {B, Hq, Tq});
+      attention(with_sinks, {out_a.view<float>(), lse_a.view<float>()}, opt);
+      attention(with_key, {out_b.view<float>(), lse_b.view<float>()}, opt);
+      EXPECT_LE(max_diff(out_a, out_b), 1e-5);
+      EXPECT_LE(max_diff(lse_a, lse_b), 1e-4);
+      // The gradients of q, k, v are those of the extra-key formulation (its key 0 dropped).
+      const Tensor dout = random_tensor(rng, {B, Hq, Tq, Dv});
+      Tensor dq_a(DType::kF32, q.shape()), dk_a(DType::kF32, k.shape()), dv_a(DType::kF32, v.shape());
+      Tensor dq_b(DType::kF32, q.shape()), dk_b(DType::kF32, k1.shape()), dv_b(DType::kF32, v1.shape());
+      Tensor dsink(DType::kF32, {Hq});
+      attention_backward(with_sinks, out_a.view<float>(), lse_a.view<float>(), dout.view<float>(),
+                         {dq_a.view<float>(), dk_a.view<float>(), dv_a.view<float>(), dsink.view<float>()}, opt);
+      attention_backward(with_key, out_b.view<float>(), lse_b.view<float>(), dout.view<float>(),
+                         {dq_b.view<float>(), dk_b.view<float>(), dv_b.view<float>()}, opt);
+      EXPECT_LE(max_diff(dq_a, dq_b), 1e-5);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t j = 0; j < Tk; ++j) {
+            for (int64_t d = 0; d < D; ++d)
+              EXPECT_NEAR(dk_a.view<float>().at(b, h, j, d), dk_b.view<float>().at(b, h, j + 1, d), 1e-5);
+            for (int64_t d = 0; d < Dv; ++d)
+              EXPECT_NEAR(dv_a.view<float>().at(b, h, j, d), dv_b.view<float>().at(b, h, j + 1, d), 1e-5);
+          }
+    }
+  }
+}
+
+// No visible key: the output is zeros and the LSE is the sink (its term is the whole
+// denominator); the backward gives zero gradients, the sink's included.
+TEST(ScoreVariants, FullyMaskedRowWithSinksGivesZeros) {
+  Rng rng(base_seed() + 142);
+  const int64_t B = 2, Hq = 2, Tq = 3, Tk = 5, D = 4;
+  const Tensor q = random_tensor(rng, {B, Hq, Tq, D}), k = random_tensor(rng, {B, Hq, Tk, D}),
+               v = random_tensor(rng, {B, Hq, Tk, D}), dout = random_tensor(rng, {B, Hq, Tq, D});
+  Tensor sinks(DType::kF32, {Hq}), lengths(DType::kI64, {B});
+  sinks.data<float>()[0] = 0.5f;
+  sinks.data<float>()[1] = -3.0f;
+  lengths.data<int64_t>()[0] = 0;
+  lengths.data<int64_t>()[1] = 0;
+  AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
+  in.sinks = sinks.view<float>();
+  in.key_lengths = lengths.view<int64_t>();
+  for (Backend backend : {Backend::kFast, Backend::kReference}) {
+    for (int64_t tq : {Tq, int64_t{1}}) {  // flash and decode kernels
+      AttentionInputs row = in;
+      row.query = View<const float>(q.data<float>(), {B, Hq, tq, D}, {Hq * Tq * D, Tq * D, D, 1});
+      Tensor out(DType::kF32, {B, Hq, tq, D}), lse(DType::kF32, {B, Hq, tq});
+      AttentionOptions opt;
+      opt.backend = backend;
+      opt.causal = Causal::kBottomRight;
+      opt.softcap = 2.0f;
+      attention(row, {out.view<float>(), lse.view<float>()}, opt);
+      for (int64_t x = 0; x < out.numel(); ++x) EXPECT_EQ(out.data<float>()[x], 0.0f);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < Hq; ++h)
+          for (int64_t i = 0; i < tq; ++i) EXPECT_EQ(lse.view<float>().at(b, h, i), sinks.data<float>()[h]);
+      Tensor dq(DType::kF32, {B, Hq, tq, D}), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape()), ds(DType::kF32, {Hq});
+      const View<const float> dout_rows(dout.data<float>(), {B, Hq, tq, D}, {Hq * Tq * D, Tq * D, D, 1});
+      attention_backward(row, out.view<float>(), lse.view<float>(), dout_rows,
+                         {dq.view<float>(), dk.view<float>(), dv.view<float>(), ds.view<float>()}, opt);
+      for (const Tensor* g : {&dq, &dk, &dv, &ds})
+        for (int64_t x = 0; x < g->numel(); ++x) EXPECT_EQ(g->data<float>()[x], 0.0f);
+    }
+  }
+}
+
+TEST(ScoreVariants, BadArgumentsAreErrors) {
+  Rng rng(base_seed() + 143);
+  const Tensor q = random_tensor(rng, {1, 4, 3, 8}), k = random_tensor(rng, {1, 2, 5, 8}),
+               v = random_tensor(rng, {1, 2, 5, 8});
+  Tensor out(DType::kF32, {1, 4, 3, 8}), lse(DType::kF32, {1, 4, 3});
+  const AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
+  auto run = [&](const AttentionInputs& x, const AttentionOptions& o) { attention(x, {out.view<float>()}, o); };
+  Tensor slopes3(DType::kF32, {3}), slopes4(DType::kF32, {4}), sinks(DType::kF32, {4});
+  std::fill(slopes4.data<float>(), slopes4.data<float>() + 4, 0.1f);
+  std::fill(sinks.data<float>(), sinks.data<float>() + 4, 0.0f);
+  AttentionInputs x = in;
+  x.alibi_slopes = slopes3.view<float>();
+  expect_error([&] { run(x, {}); }, {"alibi_slopes", "(Hq,) = (4,)", "(3,)"});
+  slopes4.data<float>()[2] = std::nanf("");
+  x.alibi_slopes = slopes4.view<float>();
+  expect_error([&] { run(x, {}); }, {"alibi_slopes[2]", "not finite"});
+  x = in;
+  x.sinks = slopes3.view<float>();
+  expect_error([&] { run(x, {}); }, {"sinks", "(Hq,) = (4,)"});
+  sinks.data<float>()[1] = kNegInf;
+  x.sinks = sinks.view<float>();
+  expect_error([&] { run(x, {}); }, {"sinks[1]", "not finite"});
+  AttentionOptions o;
+  o.softcap = -1.0f;
+  expect_error([&] { run(in, o); }, {"softcap", "-1"});
+  o.softcap = std::numeric_limits<float>::infinity();
+  expect_error([&] { run(in, o); }, {"softcap", "inf"});
+  // The backward needs grad_sinks exactly when sinks are given.
+  sinks.data<float>()[1] = 0.0f;
+  x.sinks = sinks.view<float>();
+  attention(x, {out.view<float>(), lse.view<float>()});
+  Tensor dq(DType::kF32, q.shape()), dk(DType::kF32, k.shape()), dv(DType::kF32, v.shape()), ds(DType::kF32, {2});
+  expect_error([&] { attention_backward(x, out.view<float>(), lse.view<float>(), out.view<float>(),
+                                        {dq.view<float>(), dk.view<float>(), dv.view<float>()}); },
+               {"grad_sinks", "(Hq,) = (4,)"});
+  expect_error([&] { attention_backward(x, out.view<float>(), lse.view<float>(), out.view<float>(),
+                                        {dq.view<float>(), dk.view<float>(), dv.view<float>(), ds.view<float>()}); },
+               {"grad_sinks", "(Hq,) = (4,)", "(2,)"});
+  expect_error([&] { attention_backward(in, out.view<float>(), lse.view<float>(), out.view<float>(),
+                                        {dq.view<float>(), dk.view<float>(), dv.view<float>(), ds.view<float>()}); },
+               {"grad_sinks", "without sinks"});
+}
+
+// The module with every variant on: decoding (prefill, then one token at a time) gives the
+// forward's output on every cache type — the cache holds rotated keys, ALiBi measures positions
+// (a windowed ring holds them out of order), sinks and softcap reach the decode kernel.
+TEST(ModuleVariants, StepEqualsForwardOnCacheTypes) {
+  Rng rng(base_seed() + 144);
+  for (int64_t window : {int64_t{0}, int64_t{5}}) {
+    MultiHeadAttentionConfig c;
+    c.embed_dim = 32;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.causal = Causal::kTopLeft;
+    c.window = window;
+    c.softcap = 3.0f;
+    c.alibi = c.sinks = c.qk_norm = true;
+    c.rotary.dims = 6;
+    MultiHeadAttention m(c, 3);
+    const View<float> sinks = m.sinks();
+    for (int64_t h = 0; h < 4; ++h) sinks.data[h] = static_cast<float>(rng.uniform() - 0.5);
+    const View<float> qn = m.q_norm_weight();
+    for (int64_t d = 0; d < 8; ++d) qn.data[d] = static_cast<float>(0.5 + rng.uniform());
+    const int64_t B = 2, T = 15, E = 32;
+    const Tensor x = random_tensor(rng, {B, T, E});
+    const Tensor full = std::move(m.forward({x.view<float>()}).output);
+    for (CacheType type : {CacheType::kF32, CacheType::kBF16, CacheType::kInt8}) {
+      SCOPED_TRACE(std::string("window ") + std::to_string(window) + " cache " + cache_type_name(type));
+      KvCache cache = m.make_cache(B, 0, type);
+      Tensor got(DType::kF32, {B, T, E});
+      int64_t t0 = 0;
+      for (int64_t n : {int64_t{6}, int64_t{1}, int64_t{1}, int64_t{3}, int64_t{1}, int64_t{1}, int64_t{1},
+                        int64_t{1}}) {
+        const View<const float> xs(x.data<float>() + t0 * E, {B, n, E}, {T * E, E, 1});
+        const Tensor y = std::move(m.step(xs, cache).output);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t t = 0; t < n; ++t)
+            for (int64_t e = 0; e < E; ++e) got.view<float>().at(b, t0 + t, e) = y.view<float>().at(b, t, e);
+        t0 += n;
+      }
+      ASSERT_EQ(t0, T);
+      double scale = 0;
+      for (int64_t i = 0; i < full.numel(); ++i) scale = std::max(scale, std::fabs(double{full.data<float>()[i]}));
+      // float32: the same computation in another order; bfloat16 and int8 store k and v rounded
+      // (their own bounds, docs/numerics.md); a wrong position would be off by O(1).
+      const double bound = type == CacheType::kF32 ? 1e-5 : 3e-2;
+      EXPECT_LE(max_diff(got, full) / scale, bound);
+    }
+  }
+}
+
+TEST(ModuleVariants, ConfigAndWeightErrors) {
+  MultiHeadAttentionConfig c;
+  c.embed_dim = 16;
+  c.num_heads = 2;
+  auto make = [&](auto edit) {
+    MultiHeadAttentionConfig x = c;
+    edit(x);
+    MultiHeadAttention m(x);
+  };
+  expect_error([&] { make([](auto& x) { x.rotary.dims = 5; }); }, {"rotary.dims", "even", "8", "5"});
+  expect_error([&] { make([](auto& x) { x.rotary.dims = 10; }); }, {"rotary.dims", "head_dim_qk = 8"});
+  expect_error([&] { make([](auto& x) { x.rotary.dims = 8, x.rotary.theta = 0.5f; }); }, {"rotary.theta"});
+  expect_error([&] { make([](auto& x) { x.rotary.dims = 8, x.rotary.factor = 0; }); }, {"rotary.factor"});
+  expect_error([&] { make([](auto& x) { x.rotary.dims = 8, x.rotary.scaling = RopeScaling::kYarn; }); },
+               {"YaRN", "original_max_positions"});
+  expect_error([&] { make([](auto& x) { x.softcap = -2; }); }, {"softcap", "-2"});
+  expect_error([&] { make([](auto& x) { x.qk_norm_eps = 0; }); }, {"qk_norm_eps"});
+  MultiHeadAttention plain(c);
+  expect_error([&] { plain.sinks(); }, {"sinks", "config.sinks is false"});
+  expect_error([&] { plain.q_norm_weight(); }, {"QK-norm"});
+  expect_error([&] { (void)static_cast<const MultiHeadAttention&>(plain).alibi_slopes(); }, {"ALiBi"});
+  // Weights: the file and the module must agree on sinks and QK-norm.
+  MultiHeadAttentionConfig with = c;
+  with.sinks = with.qk_norm = true;
+  MultiHeadAttention m(with);
+  StateDict sd = m.state_dict();
+  ASSERT_EQ(sd.count("sinks"), 1u);
+  ASSERT_EQ(sd.count("q_norm.weight"), 1u);
+  expect_error([&] { plain.load_state_dict(sd); }, {"'sinks'", "built without it"});
+  sd.erase("k_norm.weight");
+  expect_error([&] { m.load_state_dict(sd); }, {"'k_norm.weight' is missing"});
+  // from_state_dict turns sinks and QK-norm on from the names.
+  const MultiHeadAttention back = MultiHeadAttention::from_state_dict(m.state_dict(), c);
+  EXPECT_TRUE(back.config().sinks);
+  EXPECT_TRUE(back.config().qk_norm);
+  // ALiBi slopes: BLOOM's for a head count that is not a power of two (6: 2^-8/4·{1..4}, then
+  // 2^-8/8·{1, 3}).
+  MultiHeadAttentionConfig six = c;
+  six.embed_dim = 24;
+  six.num_heads = 6;
+  six.alibi = true;
+  const MultiHeadAttention a(six);
+  const float want[6] = {0.25f, 0.0625f, 0.015625f, 0.00390625f, 0.5f, 0.125f};
+  for (int h = 0; h < 6; ++h) EXPECT_EQ(a.alibi_slopes().data[h], want[h]) << h;
+}
+
+}  // namespace
+}  // namespace mha::test
