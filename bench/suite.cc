@@ -412,12 +412,21 @@ void run_variants(const Options& o) {
              o.threads, B, Hq, Hkv, T, D, L);
   fmt::print("{:<12} {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>11} {:>8}\n", "", "fwd ms", "GFLOP/s", "% plain",
              "bwd ms", "GFLOP/s", "% plain", "decode µs", "% plain");
-  // Timings on a shared VM drift by 10-40% within minutes: every variant is measured in each of
-  // three interleaved rounds and its fastest round is reported.
-  constexpr int kRounds = 3;
+  // Timings on a shared VM drift by 10-40% within minutes: every variant is measured right after
+  // plain in each of seven rounds; reported are its median time and the median of its per-round
+  // ratios to plain (drift shared by the neighbours of one round cancels there).
+  constexpr int kRounds = 7;
   constexpr size_t kVariants = sizeof(variants) / sizeof(variants[0]);
-  double best[kVariants][3];
-  for (auto& row : best) std::fill(row, row + 3, 1e30);
+  std::vector<double> times[kVariants][3];
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto ratio = [&](const std::vector<double>& base, const std::vector<double>& x) {  // median of base/x
+    std::vector<double> r;
+    for (size_t i = 0; i < x.size(); ++i) r.push_back(base[i] / x[i]);
+    return median(r);
+  };
   for (int round = 0; round < kRounds; ++round) {
   for (size_t vi = 0; vi < kVariants; ++vi) {
     const Variant& var = variants[vi];
@@ -437,9 +446,9 @@ void run_variants(const Options& o) {
     dec.alibi_slopes = in.alibi_slopes;
     dec.sinks = in.sinks;
     const double d = time_calls([&] { attention(dec, {out1.view<float>()}, opt); }, o.seconds);
-    best[vi][0] = std::min(best[vi][0], f);
-    best[vi][1] = std::min(best[vi][1], b);
-    best[vi][2] = std::min(best[vi][2], d);
+    times[vi][0].push_back(f);
+    times[vi][1].push_back(b);
+    times[vi][2].push_back(d);
   }
   }
   // Rotary embeddings and QK-norm inside the module at gpt2-512 (B = 4, T = 512, E = 768, 12
@@ -451,8 +460,7 @@ void run_variants(const Options& o) {
   const ModuleVariant module_variants[] = {{"plain", false, false}, {"rotary", true, false}, {"rotary + qk-norm", true, true}};
   const int64_t MB = 4, MT = 512, ME = 768;
   const Tensor mx = filled({MB, MT, ME}, 1.0f), mr = filled({MB, MT, ME}, 1.0f);
-  double mbest[3][2];
-  for (auto& row : mbest) std::fill(row, row + 2, 1e30);
+  std::vector<double> mtimes[3][2];
   for (int round = 0; round < kRounds; ++round) {
     for (size_t vi = 0; vi < 3; ++vi) {
       MultiHeadAttentionConfig config;
@@ -476,21 +484,23 @@ void run_variants(const Options& o) {
             m.backward(tape, mr.view<float>(), &grads, options);
           },
           o.seconds);
-      mbest[vi][0] = std::min(mbest[vi][0], f);
-      mbest[vi][1] = std::min(mbest[vi][1], t);
+      mtimes[vi][0].push_back(f);
+      mtimes[vi][1].push_back(t);
     }
   }
   for (size_t vi = 0; vi < kVariants; ++vi) {
-    const double f = best[vi][0], b = best[vi][1], d = best[vi][2];
+    const double f = median(times[vi][0]), b = median(times[vi][1]), d = median(times[vi][2]);
     fmt::print("{:<12} {:>10.2f} {:>8.1f} {:>7.1f}% {:>10.2f} {:>8.1f} {:>7.1f}% {:>11.1f} {:>7.1f}%\n", variants[vi].name,
-               f * 1e3, c.flops() / f / 1e9, 100 * best[0][0] / f, b * 1e3, c.backward_flops() / b / 1e9,
-               100 * best[0][1] / b, d * 1e6, 100 * best[0][2] / d);
+               f * 1e3, c.flops() / f / 1e9, 100 * ratio(times[0][0], times[vi][0]), b * 1e3,
+               c.backward_flops() / b / 1e9, 100 * ratio(times[0][1], times[vi][1]), d * 1e6,
+               100 * ratio(times[0][2], times[vi][2]));
   }
   fmt::print("\nmodule at gpt2-512 (B, T, E, H) = ({}, {}, {}, 12), causal; rotary on all 64 head dims\n", MB, MT, ME);
   fmt::print("{:<18} {:>12} {:>12} {:>16} {:>12}\n", "", "forward ms", "cost", "train step ms", "cost");
   for (size_t vi = 0; vi < 3; ++vi) {
-    fmt::print("{:<18} {:>12.2f} {:>11.1f}% {:>16.2f} {:>11.1f}%\n", module_variants[vi].name, mbest[vi][0] * 1e3,
-               100 * (mbest[vi][0] / mbest[0][0] - 1), mbest[vi][1] * 1e3, 100 * (mbest[vi][1] / mbest[0][1] - 1));
+    fmt::print("{:<18} {:>12.2f} {:>11.1f}% {:>16.2f} {:>11.1f}%\n", module_variants[vi].name,
+               median(mtimes[vi][0]) * 1e3, 100 * (1 / ratio(mtimes[0][0], mtimes[vi][0]) - 1),
+               median(mtimes[vi][1]) * 1e3, 100 * (1 / ratio(mtimes[0][1], mtimes[vi][1]) - 1));
   }
 }
 

@@ -104,6 +104,33 @@ TEST_P(KvCacheQuant, StoresTheDocumentedFormat) {
     for (int64_t e = 0; e < 40; ++e) EXPECT_EQ(ak.view<float>().at(1, 1, t, e), kf2.view<float>().at(1, 1, 5 + t, e));
 }
 
+// After reset(), keys_as_float()/values_as_float() read zeros in every slot, whatever the
+// storage type (the slots still hold the old positions' bytes).
+TEST(KvCacheAsFloat, SlotsPastTheStoredPositionsAreZerosAfterReset) {
+  Rng rng(base_seed() + 150);
+  for (CacheType type : {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8, CacheType::kInt4}) {
+    SCOPED_TRACE(cache_type_name(type));
+    KvCacheConfig c;
+    c.batch = 2;
+    c.kv_heads = 2;
+    c.head_dim_qk = c.head_dim_v = 8;
+    c.dtype = type;
+    KvCache cache(c);
+    const Tensor k = random_tensor(rng, {2, 2, 6, 8}), v = random_tensor(rng, {2, 2, 6, 8});
+    cache.append(k.view<float>(), v.view<float>());
+    cache.reset();
+    cache.append(View<const float>(k.data<float>(), {2, 2, 2, 8}, {96, 48, 8, 1}),
+                 View<const float>(v.data<float>(), {2, 2, 2, 8}, {96, 48, 8, 1}));
+    for (const Tensor& t : {cache.keys_as_float(), cache.values_as_float()}) {
+      const View<const float> x = t.view<float>();
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t slot = 2; slot < cache.capacity(); ++slot)
+            for (int64_t e = 0; e < 8; ++e) EXPECT_EQ(x.at(b, h, slot, e), 0.0f) << b << h << slot << e;
+    }
+  }
+}
+
 TEST_P(KvCacheQuant, NonFiniteValuesMakeTheirGroupNaN) {
   KvCacheConfig c;
   c.kv_heads = 1;

@@ -282,10 +282,11 @@ class MultiHeadAttention {
   MhaOutputs step_impl(const View<const T>& x, KvCache& cache, const std::vector<int64_t>& new_tokens,
                        const MhaCallOptions& options) const;
   void check_dtype(DType input, const char* where) const;
-  // QK-norm then rotary embeddings on q (B, Hq, Tq, D) and k (B, Hkv, Tk, D) in place; row t of
-  // batch b sits at position q_first[b] + t (k_first for keys).
-  void transform_qk(const View<float>& q, const View<float>& k, const std::vector<int64_t>& q_first,
-                    const std::vector<int64_t>& k_first, int num_threads) const;
+  // QK-norm then rotary embeddings of q (B, Hq, Tq, D) and k (B, Hkv, Tk, D) into q_out and k_out
+  // (which may be q and k; without QK-norm they must be); row t of batch b sits at position
+  // q_first[b] + t (k_first for keys).
+  void transform_qk(const View<float>& q, const View<float>& k, const View<float>& q_out, const View<float>& k_out,
+                    const std::vector<int64_t>& q_first, const std::vector<int64_t>& k_first, int num_threads) const;
   // The module's ALiBi slopes and sinks into attention inputs.
   void score_inputs(AttentionInputs& in) const;
   // (B, T, output_dim()) or (T, B, output_dim()).

@@ -26,6 +26,8 @@ struct BasicVarlenInputs {
   View<const T> value;               // (total_k, Hkv, Dv)
   View<const int64_t> cu_seqlens_q;  // (S + 1,): 0 = c[0] <= c[1] <= ... <= c[S] = total_q
   View<const int64_t> cu_seqlens_k;  // (S + 1,): the same for the keys, ending at total_k
+  View<const float> alibi_slopes;    // optional (Hq,) or (S, Hq): ALiBi per sequence (mha/attention.h);
+                                     // options.softcap applies as in attention()
 };
 
 template <typename T>

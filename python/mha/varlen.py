@@ -10,7 +10,8 @@ alone; causal=True aligns bottom-right per sequence, as FlashAttention does (the
 the last key). window_size=(left, 0) with causal=True keeps the left keys before each query and
 itself. Differentiable for torch tensors that require grad (gradients of q, k and v).
 return_attn_probs=True returns (out, softmax_lse (Hq, total_q) float32, None): mha never forms
-the probabilities. softcap and alibi_slopes are not supported yet (an mha.Error).
+the probabilities. softcap (> 0: Gemma 2's tanh cap) and alibi_slopes ((Hq,) or (S, Hq) float32;
+no gradient) as FlashAttention takes them (docs/semantics.md, "Score variants").
 """
 import numpy as np
 
@@ -62,12 +63,12 @@ class _VarlenFunction:
             class VarlenFunction(torch.autograd.Function):
                 @staticmethod
                 def forward(ctx, q, k, v, cu_q, cu_k, params):
-                    scale, causal, window, dropout_p, seed, num_threads = params
+                    scale, causal, window, dropout_p, seed, num_threads, softcap, alibi = params
                     out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
                     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
                     _mha.varlen_attention(q.detach(), k.detach(), v.detach(), cu_q, cu_k, out, lse, scale=scale,
                                           causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
-                                          num_threads=num_threads)
+                                          num_threads=num_threads, softcap=softcap, alibi_slopes=alibi)
                     ctx.save_for_backward(q, k, v, out, lse)
                     ctx.cu, ctx.params = (cu_q, cu_k), params
                     ctx.mark_non_differentiable(lse)
@@ -78,14 +79,15 @@ class _VarlenFunction:
                     if torch.is_grad_enabled():
                         raise Error(f"mha.{_NAME}: second-order gradients (create_graph=True) are not supported")
                     q, k, v, out, lse = ctx.saved_tensors
-                    scale, causal, window, dropout_p, seed, num_threads = ctx.params
+                    scale, causal, window, dropout_p, seed, num_threads, softcap, alibi = ctx.params
                     dq, dk, dv = (torch.empty(x.shape, dtype=q.dtype) for x in (q, k, v))
                     if grad_out is None:
                         grad_out = torch.zeros_like(out)
                     _mha.varlen_attention_backward(q.detach(), k.detach(), v.detach(), ctx.cu[0], ctx.cu[1], out, lse,
                                                    grad_out.to(q.dtype).contiguous(), dq, dk, dv, scale=scale,
                                                    causal=causal, window=window, dropout_p=dropout_p,
-                                                   dropout_seed=seed, num_threads=num_threads)
+                                                   dropout_seed=seed, num_threads=num_threads, softcap=softcap,
+                                                   alibi_slopes=alibi)
                     return dq, dk, dv, None, None, None
 
             cls.cls = VarlenFunction
@@ -104,8 +106,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     for x, n in ((q, "q"), (k, "k"), (v, "v")):
         if x.ndim != 3:
             raise Error(f"{_NAME}: {n} must be (total, heads, head_dim); got shape {tuple(x.shape)}")
-    if softcap not in (0, 0.0) or alibi_slopes is not None:
-        raise Error(f"{_NAME}: softcap and alibi_slopes are not supported yet")
+    softcap = A.check_number(softcap, f"{_NAME}: softcap", 0.0)
+    if alibi_slopes is not None:
+        A.check_array(alibi_slopes, f"{_NAME}: alibi_slopes")
+        if A.is_torch(alibi_slopes) != (kind == "torch"):
+            raise Error(f"{_NAME}: alibi_slopes must be the same kind (torch/numpy) as q")
+        if A.is_torch(alibi_slopes) and alibi_slopes.requires_grad and A.torch_module().is_grad_enabled():
+            raise Error(f"{_NAME}: mha does not compute gradients with respect to alibi_slopes; pass "
+                        "alibi_slopes.detach()")
+        alibi_slopes = A.native(A.to_float32(alibi_slopes))
     dropout_p = A.check_number(dropout_p, f"{_NAME}: dropout_p", 0.0, 1.0)
     num_threads = A.check_int(num_threads, f"{_NAME}: num_threads", 0, _mha.MAX_THREADS)
     scale = None if softmax_scale is None else A.check_number(softmax_scale, f"{_NAME}: softmax_scale")
@@ -122,7 +131,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     else:
         seed = A.random_seed(kind) if dropout_p > 0 else 0
     causal_code = 2 if causal else 0  # bottom-right per sequence
-    params = (scale, causal_code, window, float(dropout_p), seed, num_threads)
+    params = (scale, causal_code, window, float(dropout_p), seed, num_threads, softcap, alibi_slopes)
 
     torch = A.torch_module() if kind == "torch" else None
     if torch is not None and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -132,5 +141,5 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         lse = A.empty(kind, (q.shape[1], q.shape[0]))
         _mha.varlen_attention(A.native(q), A.native(k), A.native(v), cu_q, cu_k, out, lse, scale=scale,
                               causal=causal_code, window=window, dropout_p=float(dropout_p), dropout_seed=seed,
-                              num_threads=num_threads)
+                              num_threads=num_threads, softcap=softcap, alibi_slopes=alibi_slopes)
     return (out, lse, None) if return_attn_probs else out

@@ -91,7 +91,15 @@ int64_t KvCache::nbytes() const {
 
 Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, const Tensor& channels, int64_t width) const {
   const auto& c = config_;
-  if (!quantized()) return data.converted(DType::kF32);
+  if (!quantized()) {
+    // Slots past stored(b) may hold positions from before a reset(): zeros, as documented.
+    Tensor out = data.converted(DType::kF32);
+    for (int64_t r = 0; r < c.batch * c.kv_heads * capacity_; ++r) {
+      if (r % capacity_ < stored(r / (c.kv_heads * capacity_))) continue;
+      std::fill(out.data<float>() + r * width, out.data<float>() + (r + 1) * width, 0.0f);
+    }
+    return out;
+  }
   Tensor out(DType::kF32, {c.batch, c.kv_heads, capacity_, width});
   const int64_t row_bytes = data.shape()[3], row_scales = scales.shape()[3];
   const int64_t rows = c.batch * c.kv_heads * capacity_;

@@ -411,18 +411,14 @@ StateDict MultiHeadAttention::state_dict() const {
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-void MultiHeadAttention::transform_qk(const View<float>& q, const View<float>& k, const std::vector<int64_t>& q_first,
+void MultiHeadAttention::transform_qk(const View<float>& q, const View<float>& k, const View<float>& q_out,
+                                      const View<float>& k_out, const std::vector<int64_t>& q_first,
                                       const std::vector<int64_t>& k_first, int num_threads) const {
   const auto& c = config_;
-  if (c.qk_norm) {
-    modules::rms_norm(q, q_norm_.data<float>(), c.qk_norm_eps, num_threads);
-    modules::rms_norm(k, k_norm_.data<float>(), c.qk_norm_eps, num_threads);
-  }
-  if (c.rotary.dims > 0) {
-    const modules::RotaryFreqs f = modules::rotary_freqs(c.rotary);
-    modules::rotate(f, q, q_first, false, num_threads);
-    modules::rotate(f, k, k_first, false, num_threads);
-  }
+  const modules::RotaryFreqs f = modules::rotary_freqs(c.rotary);
+  const float* qw = c.qk_norm ? q_norm_.data<float>() : nullptr;
+  const float* kw = c.qk_norm ? k_norm_.data<float>() : nullptr;
+  modules::transform_qk(f, c.qk_norm_eps, {q, q_out, qw}, q_first, {k, k_out, kw}, k_first, false, num_threads);
 }
 
 void MultiHeadAttention::score_inputs(AttentionInputs& in) const {
@@ -608,17 +604,24 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
   const modules::QkvHeads heads = modules::qkv_heads(c, qkv.data<float>(), kbuf.defined() ? kbuf.data<float>() : nullptr,
                                                      vbuf.defined() ? vbuf.data<float>() : nullptr, lq, lk);
   const Causal causal = options.causal.value_or(c.causal);
-  // QK-norm, then rotary embeddings, on the heads in place (the tape keeps the normalised
-  // inputs). Query i sits at position i (+ Tk - Tq when aligned bottom-right), key j at j.
-  Tensor q_raw, k_raw;
-  if (c.qk_norm && tape) q_raw = to_tensor(View<const float>(heads.q)), k_raw = to_tensor(View<const float>(heads.k));
+  // QK-norm, then rotary embeddings. Query i sits at position i (+ Tk - Tq when aligned
+  // bottom-right), key j at j. In place, except when training with QK-norm: then the
+  // projections stay (its backward reads them) and q, k go to buffers of their own.
+  Tensor qn, kn;
+  View<float> q_heads = heads.q, k_heads = heads.k;
+  if (c.qk_norm && tape) {
+    qn = Tensor(DType::kF32, {B, Hq, Tq, head_dim_qk()});
+    kn = Tensor(DType::kF32, {B, c.num_kv_heads, Tk, head_dim_qk()});
+    q_heads = qn.view<float>(), k_heads = kn.view<float>();
+  }
   const std::vector<int64_t> q_first(static_cast<size_t>(B), causal == Causal::kBottomRight ? Tk - Tq : 0);
-  transform_qk(heads.q, heads.k, q_first, std::vector<int64_t>(static_cast<size_t>(B), 0), options.num_threads);
+  transform_qk(heads.q, heads.k, q_heads, k_heads, q_first, std::vector<int64_t>(static_cast<size_t>(B), 0),
+               options.num_threads);
 
   // Masks. key_padding_mask (nonzero = pad) becomes part of the keep mask.
   AttentionInputs ai;
-  ai.query = heads.q;
-  ai.key = heads.k;
+  ai.query = q_heads;
+  ai.key = k_heads;
   ai.value = heads.v;
   score_inputs(ai);
   ai.attn_bias = in.attn_bias;
@@ -702,7 +705,7 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
     t.bias = to_tensor(in.attn_bias);
     t.lengths = to_tensor(in.key_lengths);
     t.options = opt;
-    t.q_raw = std::move(q_raw), t.k_raw = std::move(k_raw);
+    t.q_normed = std::move(qn), t.k_normed = std::move(kn);
     t.q_first = q_first;
     t.out_dropout = drop_out ? c.out_dropout : 0.0f;
     t.out_dropout_seed = out_seed;

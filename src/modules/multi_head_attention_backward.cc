@@ -127,8 +127,8 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   const modules::QkvHeads heads = modules::qkv_heads(c, data(t.qkv), data(t.kbuf), data(t.vbuf), lq, lk);
   const modules::QkvHeads grad_heads = modules::qkv_heads(c, data(dqkv), data(dk), data(dv), lq, lk);
   AttentionInputs ai;
-  ai.query = heads.q;
-  ai.key = heads.k;
+  ai.query = t.q_normed.defined() ? t.q_normed.view<float>() : heads.q;
+  ai.key = t.k_normed.defined() ? t.k_normed.view<float>() : heads.k;
   ai.value = heads.v;
   ai.keep_mask = modules::view_or_empty<uint8_t>(t.keep);
   ai.attn_bias = modules::view_or_empty<float>(t.bias);
@@ -150,14 +150,14 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   // Back through rotary (a rotation: its transpose) and QK-norm, to the projections' outputs.
   if (c.rotary.dims > 0) {
     const modules::RotaryFreqs f = modules::rotary_freqs(c.rotary);
-    modules::rotate(f, grad_heads.q, t.q_first, true, options.num_threads);
-    modules::rotate(f, grad_heads.k, std::vector<int64_t>(static_cast<size_t>(B), 0), true, options.num_threads);
+    modules::transform_qk(f, 0.0f, {grad_heads.q, grad_heads.q}, t.q_first, {grad_heads.k, grad_heads.k},
+                          std::vector<int64_t>(static_cast<size_t>(B), 0), true, options.num_threads);
   }
   if (c.qk_norm) {
-    modules::rms_norm_backward(t.q_raw.view<float>(), q_norm_.data<float>(), c.qk_norm_eps, grad_heads.q,
-                               grads->q_norm.data<float>());
-    modules::rms_norm_backward(t.k_raw.view<float>(), k_norm_.data<float>(), c.qk_norm_eps, grad_heads.k,
-                               grads->k_norm.data<float>());
+    modules::rms_norm_backward(heads.q, q_norm_.data<float>(), c.qk_norm_eps, grad_heads.q,
+                               grads->q_norm.data<float>(), options.num_threads);
+    modules::rms_norm_backward(heads.k, k_norm_.data<float>(), c.qk_norm_eps, grad_heads.k,
+                               grads->k_norm.data<float>(), options.num_threads);
   }
 
   // Input projections.

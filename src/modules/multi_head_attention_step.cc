@@ -6,6 +6,7 @@
 #include "mha/multi_head_attention.h"
 #include "modules/multi_head_attention_internal.h"
 #include "ops/attention_internal.h"
+#include "ops/heads_as.h"
 #include "util/check.h"
 #include "util/convert.h"
 
@@ -13,54 +14,8 @@ namespace mha {
 
 namespace {
 
-// x (B, H, n, D) with contiguous rows, rounded to T (a contiguous copy; float: copied as is).
-template <typename T>
-Tensor rounded_heads(const View<const float>& x) {
-  Tensor t(DTypeOf<T>::value, {x.shape[0], x.shape[1], x.shape[2], x.shape[3]});
-  T* dst = t.data<T>();
-  for (int64_t b = 0; b < x.shape[0]; ++b)
-    for (int64_t h = 0; h < x.shape[1]; ++h)
-      for (int64_t i = 0; i < x.shape[2]; ++i) {
-        narrow_from_f32(x.data + b * x.stride[0] + h * x.stride[1] + i * x.stride[2], DTypeOf<T>::value, dst,
-                        x.shape[3]);
-        dst += x.shape[3];
-      }
-  return t;
-}
-
-// Float32 query heads and output heads as T, the type attention over a cache runs in: for a
-// 16-bit T the queries rounded to it (as ggml does for its f16 caches) and an output of T that
-// finish() widens into the float32 output; for float the views themselves.
-template <typename T>
-struct HeadsAs {
-  HeadsAs(const View<const float>& qf, const View<float>& of) : out(of) {
-    if constexpr (std::is_same_v<T, float>) {
-      q = qf;
-      o = of;
-    } else {
-      q16 = rounded_heads<T>(qf);
-      q = q16.view<T>();
-      out16 = Tensor(DTypeOf<T>::value, {of.shape[0], of.shape[1], of.shape[2], of.shape[3]});
-      o = out16.view<T>();
-    }
-  }
-  void finish() const {
-    if constexpr (!std::is_same_v<T, float>) {
-      const T* src = out16.data<T>();
-      for (int64_t b = 0; b < out.shape[0]; ++b)
-        for (int64_t h = 0; h < out.shape[1]; ++h)
-          for (int64_t i = 0; i < out.shape[2]; ++i) {
-            widen_to_f32(src, DTypeOf<T>::value, out.data + b * out.stride[0] + h * out.stride[1] + i * out.stride[2],
-                         out.shape[3]);
-            src += out.shape[3];
-          }
-    }
-  }
-  Tensor q16, out16;
-  View<const T> q;
-  View<T> o;
-  View<float> out;
-};
+using ops::HeadsAs;
+using ops::rounded_heads;
 
 // The cache's keys and values as views of T: its storage, or for an int8/int4 cache (T = float)
 // dequantized copies kept in `hold`.
@@ -273,7 +228,7 @@ MhaOutputs MultiHeadAttention::step_impl(const View<const T>& x, KvCache& cache,
   // the cache stores the rotated keys.
   std::vector<int64_t> first(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) first[b] = cache.length(b);
-  transform_qk(heads.q, heads.k, first, first, options.num_threads);
+  transform_qk(heads.q, heads.k, heads.q, heads.k, first, first, options.num_threads);
 
   const int64_t out_width = output_dim();
   const std::vector<int64_t> out_shape = output_shape(B, n);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 
 #include "util/check.h"
 #include "util/parallel.h"
@@ -12,6 +13,8 @@ void check_rotary(const RotaryConfig& r, int64_t head_dim) {
   if (r.dims == 0) return;
   MHA_CHECK(r.dims > 0 && r.dims % 2 == 0 && r.dims <= head_dim,
             "MultiHeadAttention: rotary.dims must be even and in [0, head_dim_qk = {}]; got {}", head_dim, r.dims);
+  MHA_CHECK(r.dims <= 2 * kMaxRotaryPairs, "MultiHeadAttention: rotary.dims {} is above the supported {}", r.dims,
+            2 * kMaxRotaryPairs);
   MHA_CHECK(std::isfinite(r.theta) && r.theta > 1.0f, "MultiHeadAttention: rotary.theta must be finite and > 1; got {}",
             r.theta);
   MHA_CHECK(std::isfinite(r.factor) && r.factor > 0.0f, "MultiHeadAttention: rotary.factor must be finite and > 0; got {}",
@@ -62,64 +65,103 @@ RotaryFreqs rotary_freqs(const RotaryConfig& r) {
   return f;
 }
 
-void rotate(const RotaryFreqs& f, const View<float>& x, const std::vector<int64_t>& first, bool inverse, int num_threads) {
-  const int64_t B = x.shape[0], H = x.shape[1], T = x.shape[2], half = f.dims / 2;
-  if (f.dims == 0) return;
+namespace {
+
+// mean(x²) of n floats at stride e: float sums in 8 interleaved lanes (vectorised for e = 1;
+// relative error ≲ (n/8 + 3)·u, as torch's float32 RMSNorm), returned as double.
+double mean_square(const float* x, int64_t n, int64_t e) {
+  float lanes[8] = {};
+  int64_t d = 0;
+  if (e == 1) {
+    for (; d + 8 <= n; d += 8)
+      for (int l = 0; l < 8; ++l) lanes[l] += x[d + l] * x[d + l];
+  }
+  for (; d < n; ++d) lanes[d % 8] += x[d * e] * x[d * e];
+  double sum = 0;
+  for (float l : lanes) sum += l;
+  return sum / static_cast<double>(n);
+}
+
+// Row t of batch b of each transform's src, optionally normalised (QK-norm with its weight),
+// then rotated by the angles of position first[b] + t (f.dims may be 0), into its dst. One task
+// per (b, t) over every head of every view: one cos/sin computation per position, each row
+// read and written once.
+void transform_rows(const RotaryFreqs& f, float eps, std::initializer_list<HeadTransform> xs,
+                    const std::vector<int64_t>& first, bool inverse, int num_threads) {
+  const View<const float>& x0 = xs.begin()->src;
+  const int64_t B = x0.shape[0], T = x0.shape[2], half = f.dims / 2;
   parallel_for(B * T, num_threads, [&](int64_t bt) {
     const int64_t b = bt / T, t = bt % T;
     const double pos = static_cast<double>(first[static_cast<size_t>(b)] + t);
-    std::vector<float> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
+    float c[kMaxRotaryPairs], s[kMaxRotaryPairs];
     for (int64_t i = 0; i < half; ++i) {
       const double angle = pos * f.inv_freq[i];  // double: exact enough at any position
       c[i] = static_cast<float>(std::cos(angle) * f.attention_factor);
       s[i] = static_cast<float>((inverse ? -1 : 1) * std::sin(angle) * f.attention_factor);
     }
-    for (int64_t h = 0; h < H; ++h) {
-      float* row = x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
-      const int64_t e = x.stride[3];
-      for (int64_t i = 0; i < half; ++i) {
-        const int64_t a = f.interleaved ? 2 * i : i, z = f.interleaved ? 2 * i + 1 : i + half;
-        const float xa = row[a * e], xz = row[z * e];
-        row[a * e] = xa * c[i] - xz * s[i];
-        row[z * e] = xa * s[i] + xz * c[i];
+    for (const HeadTransform& x : xs) {
+      const int64_t D = x.src.shape[3], se = x.src.stride[3], de = x.dst.stride[3];
+      for (int64_t h = 0; h < x.src.shape[1]; ++h) {
+        const float* in = x.src.data + b * x.src.stride[0] + h * x.src.stride[1] + t * x.src.stride[2];
+        float* row = x.dst.data + b * x.dst.stride[0] + h * x.dst.stride[1] + t * x.dst.stride[2];
+        if (x.norm_weight) {
+          const float inv = static_cast<float>(1.0 / std::sqrt(mean_square(in, D, se) + eps));
+          for (int64_t d = 0; d < D; ++d) row[d * de] = in[d * se] * inv * x.norm_weight[d];
+        } else if (row != in) {
+          for (int64_t d = 0; d < D; ++d) row[d * de] = in[d * se];
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t a = f.interleaved ? 2 * i : i, z = f.interleaved ? 2 * i + 1 : i + half;
+          const float xa = row[a * de], xz = row[z * de];
+          row[a * de] = xa * c[i] - xz * s[i];
+          row[z * de] = xa * s[i] + xz * c[i];
+        }
       }
     }
   });
 }
 
-void rms_norm(const View<float>& x, const float* w, float eps, int num_threads) {
-  const int64_t B = x.shape[0], H = x.shape[1], T = x.shape[2], D = x.shape[3], e = x.stride[3];
-  parallel_for(B * H * T, num_threads, [&](int64_t r) {
-    float* row = x.data + r / (H * T) * x.stride[0] + r / T % H * x.stride[1] + r % T * x.stride[2];
-    double sq = 0;
-    for (int64_t d = 0; d < D; ++d) sq += static_cast<double>(row[d * e]) * row[d * e];
-    const float inv = static_cast<float>(1.0 / std::sqrt(sq / static_cast<double>(D) + eps));
-    for (int64_t d = 0; d < D; ++d) row[d * e] = row[d * e] * inv * w[d];
-  });
+}  // namespace
+
+void transform_qk(const RotaryFreqs& f, float eps, const HeadTransform& q, const std::vector<int64_t>& q_first,
+                  const HeadTransform& k, const std::vector<int64_t>& k_first, bool inverse, int num_threads) {
+  if (f.dims == 0 && !q.norm_weight) return;
+  if (q_first == k_first && q.src.shape[2] == k.src.shape[2]) {  // self-attention: one pass for both
+    transform_rows(f, eps, {q, k}, q_first, inverse, num_threads);
+  } else {
+    transform_rows(f, eps, {q}, q_first, inverse, num_threads);
+    transform_rows(f, eps, {k}, k_first, inverse, num_threads);
+  }
 }
 
-void rms_norm_backward(const View<const float>& x, const float* w, float eps, const View<float>& g, float* dw) {
+void rms_norm_backward(const View<const float>& x, const float* w, float eps, const View<float>& g, float* dw,
+                       int num_threads) {
   const int64_t B = x.shape[0], H = x.shape[1], T = x.shape[2], D = x.shape[3];
-  std::vector<double> acc(static_cast<size_t>(D), 0.0);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t t = 0; t < T; ++t) {
-        double sq = 0, dot = 0;
-        for (int64_t d = 0; d < D; ++d) sq += static_cast<double>(x.at(b, h, t, d)) * x.at(b, h, t, d);
-        const double inv = 1.0 / std::sqrt(sq / static_cast<double>(D) + eps);
-        // x̂ = x·inv; y = x̂·w; with u = g·w: dx = inv·(u - x̂·mean(u·x̂)), dw += g·x̂.
-        for (int64_t d = 0; d < D; ++d) {
-          const double xh = x.at(b, h, t, d) * inv;
-          acc[d] += g.at(b, h, t, d) * xh;
-          dot += g.at(b, h, t, d) * static_cast<double>(w[d]) * xh;
-        }
-        const double mean = dot / static_cast<double>(D);
-        for (int64_t d = 0; d < D; ++d) {
-          const double xh = x.at(b, h, t, d) * inv;
-          g.at(b, h, t, d) = static_cast<float>(inv * (g.at(b, h, t, d) * static_cast<double>(w[d]) - xh * mean));
-        }
+  // dw per (batch, head) task, summed in task order afterwards: the same bits for any thread count.
+  std::vector<float> partial(static_cast<size_t>(B * H * D), 0.0f);
+  parallel_for(B * H, num_threads, [&](int64_t bh) {
+    const int64_t b = bh / H, h = bh % H, xe = x.stride[3], ge = g.stride[3];
+    float* acc = partial.data() + bh * D;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xr = x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
+      float* gr = g.data + b * g.stride[0] + h * g.stride[1] + t * g.stride[2];
+      const float inv = static_cast<float>(1.0 / std::sqrt(mean_square(xr, D, xe) + eps));
+      // x̂ = x·inv; y = x̂·w; with u = g·w: dx = inv·(u - x̂·mean(u·x̂)), dw += g·x̂.
+      float dot = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const float xh = xr[d * xe] * inv;
+        acc[d] += gr[d * ge] * xh;
+        dot += gr[d * ge] * w[d] * xh;
       }
-  for (int64_t d = 0; d < D; ++d) dw[d] += static_cast<float>(acc[d]);
+      const float mean = dot / static_cast<float>(D);
+      for (int64_t d = 0; d < D; ++d) gr[d * ge] = inv * (gr[d * ge] * w[d] - xr[d * xe] * inv * mean);
+    }
+  });
+  for (int64_t d = 0; d < D; ++d) {
+    double total = 0;
+    for (int64_t bh = 0; bh < B * H; ++bh) total += partial[static_cast<size_t>(bh * D + d)];
+    dw[d] += static_cast<float>(total);
+  }
 }
 
 std::vector<float> alibi_slopes(int64_t heads) {

@@ -15,6 +15,9 @@
 
 namespace mha::modules {
 
+// The most rotated pairs per head (rotary.dims / 2): head dims up to 1024.
+constexpr int64_t kMaxRotaryPairs = 512;
+
 // The rotation frequencies of a RotaryConfig (checked by check_rotary) for a head dim.
 struct RotaryFreqs {
   std::vector<double> inv_freq;  // dims / 2 angles per position
@@ -28,17 +31,27 @@ struct RotaryFreqs {
 void check_rotary(const RotaryConfig& r, int64_t head_dim);
 RotaryFreqs rotary_freqs(const RotaryConfig& r);
 
-// Rotates the first f.dims dims of every row of x (B, H, T, D) in place: row t of batch b is at
-// position first[b] + t. inverse: the transposed rotation (the backward of a rotation by the same
-// angles; with a YaRN attention factor a, the backward of a·R is a·Rᵀ).
-void rotate(const RotaryFreqs& f, const View<float>& x, const std::vector<int64_t>& first, bool inverse, int num_threads);
+// One view's per-head transform: its rows from src, normalised with norm_weight (QK-norm; null:
+// none, then dst must be src), into dst (B, H, T, D).
+struct HeadTransform {
+  View<const float> src;
+  View<float> dst;
+  const float* norm_weight = nullptr;
+};
 
-// x (B, H, T, D) in place: x / sqrt(mean(x²) + eps) · w per row (w: D floats).
-void rms_norm(const View<float>& x, const float* w, float eps, int num_threads);
+// QK-norm (each view with a norm_weight: x / sqrt(mean(x²) + eps) · w) then rotation of the
+// first f.dims dims (none if 0), for q (B, Hq, Tq, D) and k (B, Hkv, Tk, D): row t of batch b is
+// at position q_first[b] + t (k_first for k). One pass over each row. inverse (no norm): the
+// transposed rotation, the backward of a rotation by the same angles (with a YaRN attention
+// factor a, the backward of a·R is a·Rᵀ).
+void transform_qk(const RotaryFreqs& f, float eps, const HeadTransform& q, const std::vector<int64_t>& q_first,
+                  const HeadTransform& k, const std::vector<int64_t>& k_first, bool inverse, int num_threads);
+
 // Given the normalised rows' input x and g = dL/d(output) (both (B, H, T, D)): g becomes dL/dx
 // and dw (D floats) accumulates Σ g·x̂ over the rows (in a fixed order: the same bits for any
 // thread count).
-void rms_norm_backward(const View<const float>& x, const float* w, float eps, const View<float>& g, float* dw);
+void rms_norm_backward(const View<const float>& x, const float* w, float eps, const View<float>& g, float* dw,
+                       int num_threads);
 
 // BLOOM's ALiBi slopes for H heads: 2^(-8(h+1)/n) for the closest power of two n <= H, then
 // the odd ones of 2n for the remaining heads.

@@ -12,6 +12,7 @@
 #include "mha/paged_kv_cache.h"
 #include "modules/kv_storage.h"
 #include "ops/attention_internal.h"
+#include "ops/heads_as.h"
 #include "util/check.h"
 #include "util/convert.h"
 
@@ -134,18 +135,6 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
   }
 }
 
-// x (S, H, n, D) float32 rounded to T, contiguous.
-template <typename T>
-Tensor rounded(const View<const float>& x) {
-  Tensor t(DType::kF32, {x.shape[0], x.shape[1], x.shape[2], x.shape[3]});
-  const View<float> tv = t.view<float>();
-  for (int64_t a = 0; a < x.shape[0]; ++a)
-    for (int64_t b = 0; b < x.shape[1]; ++b)
-      for (int64_t i = 0; i < x.shape[2]; ++i)
-        for (int64_t e = 0; e < x.shape[3]; ++e) tv.at(a, b, i, e) = x.at(a, b, i, e);
-  return t.converted(DTypeOf<T>::value);
-}
-
 }  // namespace
 
 bool attention_over_quantized_cache(const View<const float>& q, const KvCache& cache, const View<float>& out,
@@ -186,15 +175,9 @@ void attention_over_paged_cache(const View<const float>& q, const PagedKvCache& 
                                 const View<float>& out, const AttentionOptions& options, const ScoreHeads& score) {
   auto in_type = [&](auto tag) {  // 16-bit pools: queries rounded to T, the result widened back
     using T = decltype(tag);
-    const Tensor q16 = rounded<T>(q);
-    Tensor o16(DTypeOf<T>::value, {out.shape[0], out.shape[1], out.shape[2], out.shape[3]});
-    paged_decode<T>(q16.view<T>(), cache, ids, o16.view<T>(), options, score);
-    const Tensor wide = o16.converted(DType::kF32);
-    const View<const float> w = wide.view<float>();
-    for (int64_t a = 0; a < out.shape[0]; ++a)
-      for (int64_t b = 0; b < out.shape[1]; ++b)
-        for (int64_t i = 0; i < out.shape[2]; ++i)
-          for (int64_t e = 0; e < out.shape[3]; ++e) out.at(a, b, i, e) = w.at(a, b, i, e);
+    const HeadsAs<T> io(q, out);
+    paged_decode<T>(io.q, cache, ids, io.o, options, score);
+    io.finish();
   };
   switch (cache.config().dtype) {
     case CacheType::kBF16: in_type(bfloat16{}); break;

@@ -80,15 +80,20 @@ void scatter_heads(const View<T>& t, const View<T>& x, int64_t start, int num_th
   });
 }
 
-// Sequence rows q[q0, q0 + nq), k and v [k0, k0 + nk) as head-major scratch inputs.
+// Sequence s's rows q[q0, q0 + nq), k and v [k0, k0 + nk) as head-major scratch inputs, with
+// its ALiBi slopes.
 template <typename T>
-BasicAttentionInputs<T> gathered_inputs(const BasicVarlenInputs<T>& in, int64_t q0, int64_t nq, int64_t k0,
+BasicAttentionInputs<T> gathered_inputs(const BasicVarlenInputs<T>& in, int64_t s, int64_t q0, int64_t nq, int64_t k0,
                                         int64_t nk, int threads) {
   const int64_t Hq = in.query.shape[1], Hkv = in.key.shape[1], D = in.query.shape[2], Dv = in.value.shape[2];
   BasicAttentionInputs<T> a;
   a.query = gather_heads(in.query, q0, scratch<T>(Workspace::kVarlenQuery, Hq, nq, D), threads);
   a.key = gather_heads(in.key, k0, scratch<T>(Workspace::kVarlenKey, Hkv, nk, D), threads);
   a.value = gather_heads(in.value, k0, scratch<T>(Workspace::kVarlenValue, Hkv, nk, Dv), threads);
+  const auto& al = in.alibi_slopes;
+  if (al.given()) {
+    a.alibi_slopes = al.rank == 1 ? al : View<const float>(al.data + s * al.stride[0], {Hq}, {al.stride[1]});
+  }
   return a;
 }
 
@@ -134,6 +139,11 @@ void check_inputs(const BasicVarlenInputs<T>& in) {
   const int64_t S = in.cu_seqlens_q.rank == 1 ? in.cu_seqlens_q.shape[0] - 1 : -1;
   check_offsets(in.cu_seqlens_q, "cu_seqlens_q", "query", q.shape[0], S);
   check_offsets(in.cu_seqlens_k, "cu_seqlens_k", "key", k.shape[0], S);
+  const auto& al = in.alibi_slopes;
+  MHA_CHECK(!al.given() || (al.rank == 1 && al.shape[0] == q.shape[1]) ||
+                (al.rank == 2 && al.shape[0] == S && al.shape[1] == q.shape[1]),
+            "varlen_attention: alibi_slopes must be (Hq,) = ({},) or (S, Hq) = ({}, {}); got {}", q.shape[1], S,
+            q.shape[1], shape_string(al));
 }
 
 template <typename T>
@@ -160,7 +170,7 @@ void for_each_sequence(const View<const int64_t>& cq, const View<const int64_t>&
     AttentionOptions o = options;
     o.dropout_seed = varlen_dropout_seed(options.dropout_seed, s);
     try {
-      f(q0, nq, k0, nk, o);
+      f(s, q0, nq, k0, nk, o);
     } catch (const std::bad_alloc&) {
       throw Error(fmt::format("varlen_attention: out of memory for the scratch of sequence {} ({} queries, {} keys)", s,
                               nq, nk));
@@ -177,9 +187,9 @@ void forward(const BasicVarlenInputs<T>& in, const View<T>& out, const View<floa
   if (lse.data || lse.rank) check_lse(lse, Hq, total_q);
   const ScratchRelease release;
   for_each_sequence(in.cu_seqlens_q, in.cu_seqlens_k, options,
-                    [&](int64_t q0, int64_t nq, int64_t k0, int64_t nk, const AttentionOptions& o) {
+                    [&](int64_t s, int64_t q0, int64_t nq, int64_t k0, int64_t nk, const AttentionOptions& o) {
                       const int threads = o.num_threads;
-                      const BasicAttentionInputs<T> a = gathered_inputs(in, q0, nq, k0, nk, threads);
+                      const BasicAttentionInputs<T> a = gathered_inputs(in, s, q0, nq, k0, nk, threads);
                       BasicAttentionOutputs<T> r;
                       r.out = scratch<T>(Workspace::kVarlenOut, Hq, nq, Dv);
                       r.lse = sequence_lse(lse, q0, nq);
@@ -214,9 +224,9 @@ void backward(const BasicVarlenInputs<T>& in, const View<const T>& out, const Vi
           for (int64_t e = 0; e < g.shape[2]; ++e) g.data[t * g.stride[0] + h * g.stride[1] + e * g.stride[2]] = T{};
   }
   for_each_sequence(in.cu_seqlens_q, in.cu_seqlens_k, options,
-                    [&](int64_t q0, int64_t nq, int64_t k0, int64_t nk, const AttentionOptions& o) {
+                    [&](int64_t s, int64_t q0, int64_t nq, int64_t k0, int64_t nk, const AttentionOptions& o) {
                       const int threads = o.num_threads;
-                      const BasicAttentionInputs<T> a = gathered_inputs(in, q0, nq, k0, nk, threads);
+                      const BasicAttentionInputs<T> a = gathered_inputs(in, s, q0, nq, k0, nk, threads);
                       const View<T> ot = gather_heads(out, q0, scratch<T>(Workspace::kVarlenOut, Hq, nq, Dv), threads);
                       const View<T> go =
                           gather_heads(grad_out, q0, scratch<T>(Workspace::kVarlenGradOut, Hq, nq, Dv), threads);

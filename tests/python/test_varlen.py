@@ -92,6 +92,34 @@ def test_bad_arguments_are_errors():
     with pytest.raises(mha.Error, match=r"window_size=\(left, 0\) with causal=True"):
         mha.varlen_attention(q, k, v, cu_q, cu_k, 3, 4, window_size=(2, 2))
     with pytest.raises(mha.Error, match="softcap"):
-        mha.varlen_attention(q, k, v, cu_q, cu_k, 3, 4, softcap=30.0)
+        mha.varlen_attention(q, k, v, cu_q, cu_k, 3, 4, softcap=-1.0)
+    with pytest.raises(mha.Error, match=r"alibi_slopes must be \(Hq,\)"):
+        mha.varlen_attention(q, k, v, cu_q, cu_k, 3, 4, alibi_slopes=torch.ones(5))
     with pytest.raises(mha.Error, match=r"q must be \(total, heads, head_dim\)"):
         mha.varlen_attention(q[0], k, v, cu_q, cu_k, 3, 4)
+
+
+def test_softcap_and_alibi_per_sequence_equal_sdpa_on_each():
+    """softcap and per-sequence ALiBi slopes (S, Hq): each sequence's output and gradients are
+    those of scaled_dot_product_attention on it alone with its row of slopes (bit for bit: the
+    same kernels on the same rows)."""
+    rng = np.random.default_rng(9)
+    lens_q, lens_k, hq, hkv, d = [3, 1, 6], [5, 4, 6], 4, 2, 8
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]))
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]))
+    q = torch.tensor(rng.standard_normal((sum(lens_q), hq, d)), dtype=torch.float32, requires_grad=True)
+    k = torch.tensor(rng.standard_normal((sum(lens_k), hkv, d)), dtype=torch.float32, requires_grad=True)
+    v = torch.tensor(rng.standard_normal((sum(lens_k), hkv, d)), dtype=torch.float32, requires_grad=True)
+    slopes = torch.tensor(rng.uniform(0, 0.5, (3, hq)), dtype=torch.float32)
+    out = mha.varlen_attention(q, k, v, cu_q, cu_k, 6, 6, causal=True, softcap=2.0, alibi_slopes=slopes)
+    dout = torch.tensor(rng.standard_normal(out.shape), dtype=torch.float32)
+    (out * dout).sum().backward()
+    for s in range(3):
+        qs, ks, vs = (x.detach()[c[s]:c[s + 1]].transpose(0, 1).clone().requires_grad_()
+                      for x, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        o = mha.scaled_dot_product_attention(qs, ks, vs, is_causal=True, causal_alignment="bottom-right",
+                                             enable_gqa=True, softcap=2.0, alibi_slopes=slopes[s])
+        (o * dout[cu_q[s]:cu_q[s + 1]].transpose(0, 1)).sum().backward()
+        assert torch.equal(o.detach().transpose(0, 1), out.detach()[cu_q[s]:cu_q[s + 1]])
+        for x, xs, c in ((q, qs, cu_q), (k, ks, cu_k), (v, vs, cu_k)):
+            assert torch.equal(xs.grad.transpose(0, 1), x.grad[c[s]:c[s + 1]])
