@@ -413,9 +413,9 @@ void run_variants(const Options& o) {
   fmt::print("{:<12} {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>11} {:>8}\n", "", "fwd ms", "GFLOP/s", "% plain",
              "bwd ms", "GFLOP/s", "% plain", "decode µs", "% plain");
   // Timings on a shared VM drift by 10-40% within minutes: every variant is measured right after
-  // plain in each of seven rounds; reported are its median time and the median of its per-round
+  // plain in each of eleven rounds; reported are its median time and the median of its per-round
   // ratios to plain (drift shared by the neighbours of one round cancels there).
-  constexpr int kRounds = 7;
+  constexpr int kRounds = 11;
   constexpr size_t kVariants = sizeof(variants) / sizeof(variants[0]);
   std::vector<double> times[kVariants][3];
   auto median = [](std::vector<double> v) {

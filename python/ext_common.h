@@ -154,10 +154,12 @@ inline Backend backend_of(const std::string& b) {
 }
 
 inline AttentionOptions options_of(std::optional<float> scale, int causal, int64_t window, float dropout_p,
-                            uint64_t dropout_seed, int num_threads, const std::string& backend, float softcap = 0.0f) {
+                            uint64_t dropout_seed, int num_threads, const std::string& backend, float softcap = 0.0f,
+                                  int64_t sink_tokens = 0) {
   AttentionOptions o;
   o.scale = scale;
   o.softcap = softcap;
+  o.sink_tokens = sink_tokens;
   o.causal = causal_of(causal);
   o.window = window;
   o.dropout_p = dropout_p;

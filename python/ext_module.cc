@@ -67,8 +67,9 @@ const char* rope_scaling_name(RopeScaling s) {
 // the RotaryConfig fields (dims, theta, interleaved, scaling, factor, original_max_positions,
 // beta_fast, beta_slow), or None.
 void apply_variants(MultiHeadAttentionConfig& c, float softcap, bool alibi, bool sinks, bool qk_norm, float qk_norm_eps,
-                    const std::optional<nb::dict>& rotary) {
+                    const std::optional<nb::dict>& rotary, int64_t sink_tokens) {
   c.softcap = softcap;
+  c.sink_tokens = sink_tokens;
   c.alibi = alibi;
   c.sinks = sinks;
   c.qk_norm = qk_norm;
@@ -123,6 +124,7 @@ nb::dict config_dict(const MultiHeadAttentionConfig& c, const MultiHeadAttention
   d["batch_first"] = c.batch_first;
   d["dtype"] = dtype_label(c.dtype);
   d["softcap"] = c.softcap;
+  d["sink_tokens"] = c.sink_tokens;
   d["alibi"] = c.alibi;
   d["sinks"] = c.sinks;
   d["qk_norm"] = c.qk_norm;
@@ -150,11 +152,11 @@ void bind_module(nb::module_& m) {
              int64_t qk_proj_dim, int64_t v_proj_dim, int64_t out_dim, bool bias, bool out_proj, float attn_dropout,
              float out_dropout, int causal, int64_t window, int64_t max_seq_len, bool batch_first, uint64_t seed,
              const std::string& dtype, float softcap, bool alibi, bool sinks, bool qk_norm, float qk_norm_eps,
-             const std::optional<nb::dict>& rotary) {
+             const std::optional<nb::dict>& rotary, int64_t sink_tokens) {
             MultiHeadAttentionConfig c = config_of(embed_dim, num_heads, num_kv_heads, kdim, vdim, qk_proj_dim,
                                                    v_proj_dim, out_dim, bias, out_proj, attn_dropout, out_dropout,
                                                    causal, window, max_seq_len, batch_first, dtype);
-            apply_variants(c, softcap, alibi, sinks, qk_norm, qk_norm_eps, rotary);
+            apply_variants(c, softcap, alibi, sinks, qk_norm, qk_norm_eps, rotary, sink_tokens);
             new (self) PyMha{MultiHeadAttention(c, seed), "", {}};
           },
           nb::arg("embed_dim"), nb::arg("num_heads"), nb::arg("num_kv_heads") = 0, nb::arg("kdim") = 0,
@@ -163,15 +165,16 @@ void bind_module(nb::module_& m) {
           nb::arg("out_dropout") = 0.0f, nb::arg("causal") = 0, nb::arg("window") = 0, nb::arg("max_seq_len") = 0,
           nb::arg("batch_first") = true, nb::arg("seed") = 0, nb::arg("dtype") = "float32", nb::arg("softcap") = 0.0f,
           nb::arg("alibi") = false, nb::arg("sinks") = false, nb::arg("qk_norm") = false,
-          nb::arg("qk_norm_eps") = 1e-6f, nb::arg("rotary").none() = nb::none())
+          nb::arg("qk_norm_eps") = 1e-6f, nb::arg("rotary").none() = nb::none(), nb::arg("sink_tokens") = 0)
       .def_static(
           "from_state_dict",
           [](const std::map<std::string, In>& arrays, int64_t num_heads, int causal, int64_t window,
              int64_t max_seq_len, bool batch_first, float attn_dropout, float out_dropout, const std::string& prefix,
-             const std::string& dtype, float softcap, bool alibi, float qk_norm_eps, const std::optional<nb::dict>& rotary) {
+             const std::string& dtype, float softcap, bool alibi, float qk_norm_eps, const std::optional<nb::dict>& rotary,
+             int64_t sink_tokens) {
             MultiHeadAttentionConfig base;
             // sinks and qk_norm follow the weights (from_state_dict finds them).
-            apply_variants(base, softcap, alibi, false, false, qk_norm_eps, rotary);
+            apply_variants(base, softcap, alibi, false, false, qk_norm_eps, rotary, sink_tokens);
             base.dtype = dtype_of(dtype);
             base.num_heads = num_heads;
             base.causal = causal_of(causal);
@@ -187,7 +190,8 @@ void bind_module(nb::module_& m) {
           nb::arg("state_dict"), nb::arg("num_heads"), nb::arg("causal") = 0, nb::arg("window") = 0,
           nb::arg("max_seq_len") = 0, nb::arg("batch_first") = true, nb::arg("attn_dropout") = 0.0f,
           nb::arg("out_dropout") = 0.0f, nb::arg("prefix") = "", nb::arg("dtype") = "float32", nb::arg("softcap") = 0.0f,
-          nb::arg("alibi") = false, nb::arg("qk_norm_eps") = 1e-6f, nb::arg("rotary").none() = nb::none())
+          nb::arg("alibi") = false, nb::arg("qk_norm_eps") = 1e-6f, nb::arg("rotary").none() = nb::none(),
+          nb::arg("sink_tokens") = 0)
       .def_ro("layout", &PyMha::layout)
       .def_ro("ignored", &PyMha::ignored)
       .def(

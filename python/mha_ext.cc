@@ -48,8 +48,9 @@ void attention_py(const In& q, const In& k, const In& v, const Out& out, const s
                   const std::optional<In>& attn_bias, const std::optional<In>& key_lengths, const std::optional<Out>& lse,
                   const std::optional<Out>& weights, std::optional<float> scale, int causal, int64_t window,
                   float dropout_p, uint64_t dropout_seed, int num_threads, const std::string& backend, float softcap,
-                  const std::optional<In>& alibi_slopes, const std::optional<In>& sinks) {
-  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend, softcap);
+                  const std::optional<In>& alibi_slopes, const std::optional<In>& sinks, int64_t sink_tokens) {
+  const AttentionOptions opt =
+      options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend, softcap, sink_tokens);
   const ScoreInputs score{alibi_slopes, sinks};
   switch (element_type(q, k, v)) {
     case DType::kBF16:
@@ -81,8 +82,9 @@ void attention_backward_py(const In& q, const In& k, const In& v, const In& out,
                            std::optional<float> scale, int causal, int64_t window, float dropout_p,
                            uint64_t dropout_seed, int num_threads, const std::string& backend, float softcap,
                            const std::optional<In>& alibi_slopes, const std::optional<In>& sinks,
-                           const std::optional<Out>& grad_sinks) {
-  const AttentionOptions opt = options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend, softcap);
+                           const std::optional<Out>& grad_sinks, int64_t sink_tokens) {
+  const AttentionOptions opt =
+      options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend, softcap, sink_tokens);
   const ScoreInputs score{alibi_slopes, sinks};
   switch (element_type(q, k, v)) {
     case DType::kBF16:
@@ -176,14 +178,14 @@ NB_MODULE(_mha, m) {
         nb::arg("weights").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
         nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
         nb::arg("backend") = "auto", nb::arg("softcap") = 0.0f, nb::arg("alibi_slopes").none() = nb::none(),
-        nb::arg("sinks").none() = nb::none());
+        nb::arg("sinks").none() = nb::none(), nb::arg("sink_tokens") = 0);
   m.def("attention_backward", &attention_backward_py, nb::arg("query"), nb::arg("key"), nb::arg("value"),
         nb::arg("out"), nb::arg("lse"), nb::arg("grad_out"), nb::arg("grad_query"), nb::arg("grad_key"),
         nb::arg("grad_value"), nb::arg("keep_mask").none() = nb::none(), nb::arg("attn_bias").none() = nb::none(),
         nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
         nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
         nb::arg("backend") = "auto", nb::arg("softcap") = 0.0f, nb::arg("alibi_slopes").none() = nb::none(),
-        nb::arg("sinks").none() = nb::none(), nb::arg("grad_sinks").none() = nb::none());
+        nb::arg("sinks").none() = nb::none(), nb::arg("grad_sinks").none() = nb::none(), nb::arg("sink_tokens") = 0);
 
   m.def("varlen_attention", &varlen_py, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("scale").none() = nb::none(),

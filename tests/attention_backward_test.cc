@@ -164,6 +164,7 @@ TEST(AttentionBackward, ReferenceMatchesFiniteDifferences) {
     p.opt.causal = static_cast<Causal>(trial % 3);
     if (trial % 4 == 3) p.opt.dropout_p = 0.3f, p.opt.dropout_seed = 11;
     if (trial >= 12) p.add_variants(rng, 0.7);  // softcap, ALiBi, sinks (issue 14)
+    if (trial >= 24) p.opt.causal = Causal::kBottomRight, p.opt.window = 2, p.opt.sink_tokens = 1;
     SCOPED_TRACE(p.describe());
     const Grads g = run(p, Backend::kReference);
     const double h = 1.0 / 1024;  // exact on inputs in [-1, 1]
@@ -295,7 +296,7 @@ TEST_P(BackwardTest, TileEdgesHeadDimsAndOptions) {
     p.Tk = T + T % 3;
     p.D = p.Dv = 24;
     p.opt.causal = T % 2 ? Causal::kTopLeft : Causal::kBottomRight;
-    if (T > 60) p.opt.window = 37;
+    if (T > 60) p.opt.window = 37, p.opt.sink_tokens = 5;
     p.make(rng);
     p.add_variants(rng, 1.0);
     check_fast(p);
@@ -343,6 +344,7 @@ TEST_P(BackwardTest, RandomProblems) {
     if (p.opt.causal != Causal::kNone && rng.coin(0.3)) p.opt.window = rng.range(1, 40);
     if (rng.coin(0.3)) p.opt.dropout_p = 0.2f, p.opt.dropout_seed = rng.next();
     p.add_variants(rng, 0.3);
+    if (p.opt.window > 0 && rng.coin(0.5)) p.opt.sink_tokens = rng.range(1, 70);
     check_fast(p);
   }
 }

@@ -163,6 +163,42 @@ TEST(ScoreVariants, FullyMaskedRowWithSinksGivesZeros) {
   }
 }
 
+// StreamingLLM's sink tokens: with a window W and S sink tokens, query i sees keys j <= i with
+// j > i - W or j < S — the same as an explicit keep mask of that set.
+TEST(ScoreVariants, SinkTokensEqualTheirKeepMask) {
+  Rng rng(base_seed() + 145);
+  const int64_t B = 2, H = 2, D = 16;
+  for (int64_t T : {int64_t{1}, int64_t{9}, int64_t{150}}) {
+    for (int64_t Tq : {T, int64_t{1}}) {  // prefill (flash kernel) and the last row alone (decode kernel)
+      const int64_t W = 7, S = 3, Tk = T;
+      const Tensor q = random_tensor(rng, {B, H, Tq, D}), k = random_tensor(rng, {B, H, Tk, D}),
+                   v = random_tensor(rng, {B, H, Tk, D});
+      Tensor keep(DType::kU8, {Tq, Tk});
+      for (int64_t i = 0; i < Tq; ++i)
+        for (int64_t j = 0; j < Tk; ++j) {
+          const int64_t pos = i + Tk - Tq;  // bottom-right
+          keep.view<uint8_t>().at(i, j) = j <= pos && (j > pos - W || j < S);
+        }
+      AttentionOptions with;
+      with.causal = Causal::kBottomRight;
+      with.window = W;
+      with.sink_tokens = S;
+      AttentionInputs masked{q.view<float>(), k.view<float>(), v.view<float>()};
+      masked.keep_mask = keep.view<uint8_t>();
+      Tensor a(DType::kF32, {B, H, Tq, D}), b(DType::kF32, {B, H, Tq, D});
+      attention({q.view<float>(), k.view<float>(), v.view<float>()}, {a.view<float>()}, with);
+      attention(masked, {b.view<float>()});
+      EXPECT_LE(max_diff(a, b), 1e-5) << "T " << T << " Tq " << Tq;
+    }
+  }
+  AttentionOptions bad;
+  bad.sink_tokens = 2;
+  Tensor out(DType::kF32, {1, 1, 1, 4});
+  const Tensor x = random_tensor(rng, {1, 1, 1, 4});
+  expect_error([&] { attention({x.view<float>(), x.view<float>(), x.view<float>()}, {out.view<float>()}, bad); },
+               {"sink_tokens = 2", "window > 0"});
+}
+
 TEST(ScoreVariants, BadArgumentsAreErrors) {
   Rng rng(base_seed() + 143);
   const Tensor q = random_tensor(rng, {1, 4, 3, 8}), k = random_tensor(rng, {1, 2, 5, 8}),
@@ -211,15 +247,23 @@ TEST(ScoreVariants, BadArgumentsAreErrors) {
 // (a windowed ring holds them out of order), sinks and softcap reach the decode kernel.
 TEST(ModuleVariants, StepEqualsForwardOnCacheTypes) {
   Rng rng(base_seed() + 144);
-  for (int64_t window : {int64_t{0}, int64_t{5}}) {
+  struct Case {
+    int64_t window, sink_tokens;
+    bool alibi;
+  };
+  // No window; a window (its ring gathered for ALiBi); a window with StreamingLLM sink tokens.
+  for (const Case cs : {Case{0, 0, true}, Case{5, 0, true}, Case{4, 3, false}}) {
+    const int64_t window = cs.window;
     MultiHeadAttentionConfig c;
     c.embed_dim = 32;
     c.num_heads = 4;
     c.num_kv_heads = 2;
     c.causal = Causal::kTopLeft;
     c.window = window;
+    c.sink_tokens = cs.sink_tokens;
     c.softcap = 3.0f;
-    c.alibi = c.sinks = c.qk_norm = true;
+    c.alibi = cs.alibi;
+    c.sinks = c.qk_norm = true;
     c.rotary.dims = 6;
     MultiHeadAttention m(c, 3);
     const View<float> sinks = m.sinks();
@@ -230,7 +274,8 @@ TEST(ModuleVariants, StepEqualsForwardOnCacheTypes) {
     const Tensor x = random_tensor(rng, {B, T, E});
     const Tensor full = std::move(m.forward({x.view<float>()}).output);
     for (CacheType type : {CacheType::kF32, CacheType::kBF16, CacheType::kInt8}) {
-      SCOPED_TRACE(std::string("window ") + std::to_string(window) + " cache " + cache_type_name(type));
+      SCOPED_TRACE(std::string("window ") + std::to_string(window) + " sink tokens " + std::to_string(cs.sink_tokens) +
+                   " cache " + cache_type_name(type));
       KvCache cache = m.make_cache(B, 0, type);
       Tensor got(DType::kF32, {B, T, E});
       int64_t t0 = 0;
@@ -271,6 +316,9 @@ TEST(ModuleVariants, ConfigAndWeightErrors) {
                {"YaRN", "original_max_positions"});
   expect_error([&] { make([](auto& x) { x.softcap = -2; }); }, {"softcap", "-2"});
   expect_error([&] { make([](auto& x) { x.qk_norm_eps = 0; }); }, {"qk_norm_eps"});
+  expect_error([&] { make([](auto& x) { x.sink_tokens = 4; }); }, {"sink_tokens = 4", "window > 0"});
+  expect_error([&] { make([](auto& x) { x.causal = Causal::kTopLeft, x.window = 8, x.sink_tokens = 4, x.alibi = true; }); },
+               {"sink_tokens with alibi"});
   MultiHeadAttention plain(c);
   expect_error([&] { plain.sinks(); }, {"sinks", "config.sinks is false"});
   expect_error([&] { plain.q_norm_weight(); }, {"QK-norm"});

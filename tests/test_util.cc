@@ -117,9 +117,12 @@ NaiveResult naive_attention(const AttentionInputs& in, const AttentionOptions& o
         std::vector<bool> vis(Tk, true);
         for (int64_t j = 0; j < Tk; ++j) {
           bool ok = j < L;
-          if (options.causal == Causal::kTopLeft) ok = ok && j <= i && (options.window == 0 || j > i - options.window);
+          // A window keeps the last `window` keys; sink tokens (StreamingLLM) the first ones too.
+          const bool sink = j < options.sink_tokens;
+          if (options.causal == Causal::kTopLeft)
+            ok = ok && j <= i && (options.window == 0 || j > i - options.window || sink);
           if (options.causal == Causal::kBottomRight)
-            ok = ok && j <= i + L - Tq && (options.window == 0 || j > i + L - Tq - options.window);
+            ok = ok && j <= i + L - Tq && (options.window == 0 || j > i + L - Tq - options.window || sink);
           if (in.keep_mask.given()) ok = ok && mask_at(in.keep_mask, b, h, i, j) != 0;
           vis[j] = ok;
           if (!ok) continue;

@@ -16,7 +16,9 @@
 //   causal kBottomRight: j <= i + L_b - Tq   (FlashAttention, KV-cache decoding), where
 //                        L_b = key_lengths[b] if given, else Tk: the last query sees the last key
 //   window W > 0 (needs causal): j > c - W, where c is the causal limit above: each query
-//                        sees at most W keys, itself and the W-1 before it
+//                        sees at most W keys, itself and the W-1 before it — or, with
+//                        sink_tokens S > 0, j < S (StreamingLLM's attention sinks: the first
+//                        S keys stay visible however far the window has moved; still j <= c)
 // The two alignments agree when Tq == Tk and no key_lengths are given.
 // The bias is added to the scaled scores; an element with bias -inf is not counted as masked
 // but contributes exp(-inf) = 0. A row whose visible set is empty, or whose every visible score
@@ -106,6 +108,7 @@ struct AttentionOptions {
   int num_threads = 0;         // 0: all available; at most kMaxThreads
   Backend backend = Backend::kAuto;
   float softcap = 0.0f;        // > 0: scores → softcap·tanh(scores / softcap); 0: off
+  int64_t sink_tokens = 0;     // with a window: keys j < sink_tokens stay visible (StreamingLLM)
 };
 
 // Throws mha::Error naming the argument and shapes on any inconsistency. Outputs must not

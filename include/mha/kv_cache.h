@@ -7,7 +7,9 @@
 //
 // With window = W > 0 (sliding-window attention) the cache keeps only the last W positions of
 // each sequence in a ring buffer of W slots: position p lives in slot p mod W, and a query at
-// position P sees the positions P-W+1 .. P (itself and the W-1 before it).
+// position P sees the positions P-W+1 .. P (itself and the W-1 before it). With sink_tokens
+// S > 0 as well, positions 0 .. S-1 stay in slots 0 .. S-1 for good, the others ring through
+// slots S .. S+W-1 (position p >= S in slot S + (p - S) mod W), and a query sees both.
 //
 // Storage types (CacheType): float32, bfloat16 and float16 store each value; int8 and int4
 // quantize each row (one position of one kv head) in groups of kCacheQuantGroup = 32
@@ -48,6 +50,8 @@ struct KvCacheConfig {
   int64_t head_dim_v = 0;
   int64_t capacity = 0;  // initial slots per sequence (grown by doubling); 0: 16
   int64_t window = 0;    // 0: keep every position; else a ring of the last `window` positions
+  int64_t sink_tokens = 0;  // with a window: positions [0, sink_tokens) are kept as well, in slots
+                            // of their own before the ring (StreamingLLM's attention sinks)
   // Storage type of keys and values. 16-bit caches hold half the bytes (decoding reads half as
   // much); append() rounds to them (nearest even), and attention over the cache reads them
   // widened to float32 (the query is rounded to the cache's type first). int8 and int4 caches
@@ -65,7 +69,11 @@ class KvCache {
   // Positions seen by sequence b (may exceed the slots kept when windowed). b outside
   // [0, batch) is an mha::Error, here and in stored().
   int64_t length(int64_t b) const;
-  // Slots of sequence b holding a position (min(length, window) when windowed).
+  // The slot (third index of keys()/values()) that position p >= 0 is stored in, or will be:
+  // p itself, or for a windowed cache p below sink_tokens, else sink_tokens + (p - sink_tokens)
+  // mod window. Negative p is an mha::Error.
+  int64_t slot(int64_t p) const;
+  // Slots of sequence b holding a position (min(length, sink_tokens + window) when windowed).
   int64_t stored(int64_t b) const;
   void reset();
 
@@ -110,6 +118,7 @@ class KvCache {
  private:
   void reserve(int64_t slots);
   void check_sequence(int64_t b, const char* accessor) const;
+  int64_t kept_slots() const;  // the most slots a sequence keeps
   void check_element_type(DType wanted, const char* accessor) const;
   void check_quantized(const char* accessor) const;
   Tensor as_float(const Tensor& data, const Tensor& scales, const Tensor& channels, int64_t width) const;

@@ -82,6 +82,8 @@ struct MultiHeadAttentionConfig {
   Causal causal = Causal::kNone;
   int64_t window = 0;         // sliding window (needs causal): each query sees itself and the
                               // window-1 positions before it; 0: no window
+  int64_t sink_tokens = 0;    // with a window: the first sink_tokens positions stay visible too
+                              // (StreamingLLM; the cache keeps them); not with alibi
   int64_t max_seq_len = 0;    // 0: unlimited; else Tq or Tk above it is an error (block_size)
   bool batch_first = true;    // (B, T, E); false: (T, B, E)
   // Element type of the weights, the inputs and the outputs: kF32, kBF16 or kF16. A 16-bit

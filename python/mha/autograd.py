@@ -17,7 +17,7 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, keep, bias, lengths, alibi, params):
         (scale, causal, window, dropout_p, seed, num_threads, backend, want_weights, average_weights, S,
-         softcap) = params
+         softcap, sink_tokens) = params
         N, Hq, L, _ = q.shape
         out = torch.empty((N, Hq, L, v.shape[-1]), dtype=q.dtype)
         lse = torch.empty((N, Hq, L), dtype=torch.float32)
@@ -27,7 +27,7 @@ class AttentionFunction(torch.autograd.Function):
         _mha.attention(q.detach(), k.detach(), v.detach(), out, keep_mask=A.native(keep), attn_bias=A.native(bias),
                        key_lengths=lengths, lse=lse, weights=weights, scale=scale, causal=causal, window=window,
                        dropout_p=dropout_p, dropout_seed=seed, num_threads=num_threads, backend=backend,
-                       softcap=softcap, alibi_slopes=A.native(alibi), sinks=A.native(sinks))
+                       softcap=softcap, alibi_slopes=A.native(alibi), sinks=A.native(sinks), sink_tokens=sink_tokens)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.keep, ctx.bias, ctx.lengths, ctx.params = keep, bias, lengths, params
         ctx.alibi, ctx.sinks = alibi, sinks
@@ -46,7 +46,7 @@ class AttentionFunction(torch.autograd.Function):
             raise A.Error("mha.scaled_dot_product_attention: second-order gradients (create_graph=True) are not "
                           "supported; compute that term with torch.nn.functional.scaled_dot_product_attention")
         q, k, v, out, lse = ctx.saved_tensors
-        (scale, causal, window, dropout_p, seed, num_threads, backend, _, _, _, softcap) = ctx.params
+        (scale, causal, window, dropout_p, seed, num_threads, backend, _, _, _, softcap, sink_tokens) = ctx.params
         # Gradients in the inputs' dtype: for bfloat16/float16 accumulated in float32, rounded once.
         dq = torch.empty(q.shape, dtype=q.dtype)
         dk = torch.empty(k.shape, dtype=q.dtype)
@@ -59,14 +59,15 @@ class AttentionFunction(torch.autograd.Function):
                                 keep_mask=A.native(ctx.keep), attn_bias=A.native(ctx.bias), key_lengths=ctx.lengths,
                                 scale=scale, causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
                                 num_threads=num_threads, backend=backend, softcap=softcap,
-                                alibi_slopes=A.native(ctx.alibi), sinks=A.native(ctx.sinks), grad_sinks=dsinks)
+                                alibi_slopes=A.native(ctx.alibi), sinks=A.native(ctx.sinks), grad_sinks=dsinks,
+                                sink_tokens=sink_tokens)
         return dq, dk, dv, dsinks, None, None, None, None, None
 
 
 def attention(p, dropout_p, seed, num_threads, backend, want_weights, average_weights):
     """(out, lse, weights) of the prepared arguments p (see functional._prepare), differentiable."""
     params = (p.scale, p.causal, p.window, float(dropout_p), seed, num_threads, backend, want_weights,
-              average_weights, p.S, p.softcap)
+              average_weights, p.S, p.softcap, p.sink_tokens)
     results = AttentionFunction.apply(p.q, p.k, p.v, p.sinks, p.keep, p.bias, p.lengths, p.alibi, params)
     out, lse = results[0], results[1]
     weights = results[2] if want_weights else None

@@ -24,6 +24,7 @@ Score variants (keyword-only, FlashAttention's names; docs/semantics.md "Score v
     a query's position follows causal_alignment (bottom-right unless is_causal with top-left).
   sinks: (Hq,): a logit per head in every row's softmax denominator with no value (gpt-oss);
     differentiable (torch) like query, key and value.
+  sink_tokens: with window, the first sink_tokens keys stay visible too (StreamingLLM).
 
 With torch tensors that require grad (and grad mode on) the call is differentiable in query,
 key and value through mha's backward kernel (mha.autograd).
@@ -203,14 +204,15 @@ def _run_forward(p, kind, dropout_p, seed, num_threads, backend, want_lse, want_
                    attn_bias=A.native(p.bias), key_lengths=p.lengths, lse=lse, weights=weights, scale=p.scale,
                    causal=p.causal, window=p.window, dropout_p=float(dropout_p), dropout_seed=seed,
                    num_threads=num_threads, backend=backend, softcap=p.softcap, alibi_slopes=A.native(p.alibi),
-                   sinks=A.native(p.sinks))
+                   sinks=A.native(p.sinks), sink_tokens=p.sink_tokens)
     return out, lse, weights
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, causal_alignment="top-left", key_lengths=None, window=0,
                                  return_lse=False, return_weights=False, average_weights=False, dropout_seed=None,
-                                 num_threads=0, backend="auto", softcap=0.0, alibi_slopes=None, sinks=None):
+                                 num_threads=0, backend="auto", softcap=0.0, alibi_slopes=None, sinks=None,
+                                 sink_tokens=0):
     """See the module docstring. Returns out, or a tuple (out, [lse], [weights]) with the extras
     asked for: lse (..., Hq, L), weights (..., Hq, L, S) or averaged over heads (..., L, S)."""
     kind = A.kind_of(query, key, value, attn_mask)
@@ -221,6 +223,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise Error(f"{name}: backend must be 'auto', 'reference' or 'fast'; got {backend!r}")
     p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths)
     p.window = A.check_int(window, f"{name}: window", 0, 2**63 - 1)
+    p.sink_tokens = A.check_int(sink_tokens, f"{name}: sink_tokens", 0, 2**63 - 1)
     _score_inputs(p, kind, softcap, alibi_slopes, sinks)
     if dropout_seed is not None:
         seed = A.check_int(dropout_seed, f"{name}: dropout_seed", 0, 2**64 - 1)

@@ -78,7 +78,7 @@ class MultiheadAttention:
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, num_kv_heads=None,
                  out_dropout=0.0, seed=0, num_threads=0, softcap=0.0, alibi=False, sinks=False, rotary=None,
-                 qk_norm=False, qk_norm_eps=1e-6):
+                 qk_norm=False, qk_norm_eps=1e-6, window=0, sink_tokens=0):
         if add_bias_kv or add_zero_attn:
             raise Error("MultiheadAttention: add_bias_kv and add_zero_attn are not supported by mha")
         if device is not None and str(device) != "cpu":
@@ -88,12 +88,14 @@ class MultiheadAttention:
         # Score variants and positions (docs/semantics.md): softcap (Gemma 2), alibi (BLOOM's
         # slopes), sinks (a learnable logit per head, weight "sinks"), rotary (a dict: dims, theta,
         # interleaved, scaling "none"/"linear"/"ntk"/"yarn", factor, original_max_positions,
-        # beta_fast, beta_slow), qk_norm (RMSNorm per head, weights "q_norm.weight", "k_norm.weight").
+        # beta_fast, beta_slow), qk_norm (RMSNorm per head, weights "q_norm.weight", "k_norm.weight"),
+        # window (a sliding window: causal calls only) with sink_tokens (StreamingLLM's first positions).
         self._m = _mha.Module(embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads or 0,
                               kdim=kdim or 0, vdim=vdim or 0, bias=bias, attn_dropout=float(dropout),
                               out_dropout=float(out_dropout), batch_first=batch_first, seed=seed,
                               dtype=_dtype_name(dtype), softcap=float(softcap), alibi=bool(alibi), sinks=bool(sinks),
-                              qk_norm=bool(qk_norm), qk_norm_eps=float(qk_norm_eps), rotary=rotary)
+                              qk_norm=bool(qk_norm), qk_norm_eps=float(qk_norm_eps), rotary=rotary,
+                              causal=1 if window else 0, window=int(window), sink_tokens=int(sink_tokens))
         self.training = True
         self.num_threads = num_threads
         self.backend = "auto"
@@ -103,7 +105,7 @@ class MultiheadAttention:
     @classmethod
     def from_state_dict(cls, state_dict, num_heads, *, causal=False, max_seq_len=0, batch_first=True, dropout=0.0,
                         out_dropout=0.0, prefix="", num_threads=0, dtype=None, softcap=0.0, alibi=False, rotary=None,
-                        qk_norm_eps=1e-6):
+                        qk_norm_eps=1e-6, window=0, sink_tokens=0):
         """A module whose layout (widths, kv heads, bias, output projection) is read from the
         weights' names and shapes: nn.MultiheadAttention's or separate q/k/v/out Linear layers
         (the seed modules). `state_dict` maps names to torch tensors or numpy arrays; dtype is the
@@ -115,7 +117,8 @@ class MultiheadAttention:
                                               max_seq_len=max_seq_len, batch_first=batch_first,
                                               attn_dropout=float(dropout), out_dropout=float(out_dropout),
                                               prefix=prefix, dtype=_dtype_name(dtype), softcap=float(softcap),
-                                              alibi=bool(alibi), qk_norm_eps=float(qk_norm_eps), rotary=rotary)
+                                              alibi=bool(alibi), qk_norm_eps=float(qk_norm_eps), rotary=rotary,
+                                              window=int(window), sink_tokens=int(sink_tokens))
         self.training = True
         self.num_threads = num_threads
         self.backend = "auto"

@@ -58,6 +58,7 @@ struct AttentionParams {
   // overriding the alignment (top-left: 0, bottom-right: L_b - Tq). Needs causal != kNone.
   const int64_t* causal_offset = nullptr;
   int64_t window = 0;
+  int64_t sink_tokens = 0;  // with a window: keys below it stay visible (StreamingLLM)
   float dropout_p = 0.0f;
   uint64_t dropout_seed = 0;
 
@@ -106,10 +107,15 @@ inline float alibi_slope(const AttentionParams& p, int64_t b, int64_t h) {
 }
 inline float sink_logit(const AttentionParams& p, int64_t h) { return p.sinks[h * p.sinks_stride]; }
 
-// The keys [lo, hi) that causal alignment, the window and key_lengths leave visible to query
-// row i of batch b (keep_mask and bias still apply inside). Empty ranges are {0, 0}.
+// The keys that causal alignment, the window, sink tokens and key_lengths leave visible to query
+// row i of batch b (keep_mask and bias still apply inside): [lo, hi) and, when sink tokens are
+// cut off from the window by a gap, also [0, sink_hi) (sink_hi < lo; else sink_hi = 0). Empty
+// ranges are {0, 0, 0}.
 struct KeyRange {
   int64_t lo, hi;
+  int64_t sink_hi = 0;
+  bool visible(int64_t j) const { return (j >= lo && j < hi) || j < sink_hi; }
+  int64_t first() const { return sink_hi > 0 ? 0 : lo; }  // the span [first(), hi) holds them all
 };
 
 inline KeyRange visible_keys(const AttentionParams& p, int64_t b, int64_t i) {
@@ -120,7 +126,12 @@ inline KeyRange visible_keys(const AttentionParams& p, int64_t b, int64_t i) {
     hi = std::min(hi, last + 1);
     if (p.window > 0) lo = std::max<int64_t>(0, last - p.window + 1);
   }
-  return hi > lo ? KeyRange{lo, hi} : KeyRange{0, 0};  // empty ranges are canonical
+  // Sink tokens (with a window): keys below sink_tokens stay visible up to the causal limit.
+  const int64_t sink_hi = p.window > 0 ? std::min(p.sink_tokens, hi) : 0;
+  if (sink_hi <= 0) return hi > lo ? KeyRange{lo, hi} : KeyRange{0, 0};  // empty ranges are canonical
+  if (hi <= lo) return KeyRange{0, sink_hi};   // the window is past the keys: the sinks alone
+  if (sink_hi >= lo) return KeyRange{0, hi};   // the sinks touch the window: one range
+  return KeyRange{lo, hi, sink_hi};
 }
 
 }  // namespace mha::kernels

@@ -21,6 +21,8 @@ class Workspace {
     kTileLo, kTileHi, kTileLoRel, kTileHiRel, kTileHead, kTileQuery, kTileValid,
     // ALiBi per row of the tile: slope, query position, position relative to the block.
     kTileSlope, kTilePos, kTilePosRel,
+    // Sink tokens past a gap per row (KeyRange::sink_hi), absolute and relative to the block.
+    kTileSinkHi, kTileSinkRel,
     // Forward and weights passes (flash_fwd.cc, flash_weights.cc); the backward reuses the first two.
     kQueryT, kScores, kOutT, kRowMax, kRowSum, kRescale, kNonfinite, kOutSpill, kRowSumSpill,
     kRowMaxSpill,
@@ -32,7 +34,7 @@ class Workspace {
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,
     kBwdSoftcapGrad,
     // Decoding (flash_decode.cc).
-    kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeLo, kDecodeHi, kDecodeMerge,
+    kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeLo, kDecodeHi, kDecodeSinkHi, kDecodeMerge,
     kDecodeOut, kDecodeMax, kDecodeSum,
     // varlen_attention (src/ops/varlen.cc): one sequence's rows, head-major, around the kernel calls.
     kVarlenQuery, kVarlenKey, kVarlenValue, kVarlenOut, kVarlenGradOut, kVarlenGradQuery, kVarlenGradKey,

@@ -25,6 +25,8 @@ const char* cache_type_name(CacheType type) {
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   const auto& c = config_;
+  MHA_CHECK(c.sink_tokens >= 0 && (c.sink_tokens == 0 || c.window > 0),
+            "KvCache: sink_tokens = {} needs a window (window = {}); both >= 0", c.sink_tokens, c.window);
   MHA_CHECK(c.batch >= 0 && c.kv_heads > 0 && c.head_dim_qk > 0 && c.head_dim_v > 0 && c.capacity >= 0 && c.window >= 0,
             "KvCache: batch {}, kv_heads {}, head dims ({}, {}), capacity {}, window {}: all must be positive "
             "(batch, capacity and window may be 0)",
@@ -43,7 +45,18 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     std::fill(k_channels_.data<float>(), k_channels_.data<float>() + k_channels_.numel(), 1.0f);
   }
   const int64_t initial = c.capacity > 0 ? c.capacity : 16;
-  reserve(c.window > 0 ? std::min(initial, c.window) : initial);
+  reserve(std::min(initial, kept_slots()));
+}
+
+int64_t KvCache::kept_slots() const {
+  return config_.window > 0 ? config_.sink_tokens + config_.window : std::numeric_limits<int64_t>::max();
+}
+
+int64_t KvCache::slot(int64_t p) const {
+  const auto& c = config_;
+  MHA_CHECK(p >= 0, "KvCache::slot: position {} is negative", p);
+  if (c.window == 0 || p < c.sink_tokens) return p;
+  return c.sink_tokens + (p - c.sink_tokens) % c.window;
 }
 
 void KvCache::check_sequence(int64_t b, const char* accessor) const {
@@ -120,6 +133,7 @@ std::pair<Tensor, Tensor> KvCache::as_stored(const View<const float>& k, const V
                                              const std::vector<int64_t>& counts) const {
   KvCacheConfig c = config_;
   c.window = 0;
+  c.sink_tokens = 0;
   c.capacity = k.rank == 4 ? std::max<int64_t>(k.shape[2], 1) : 1;
   KvCache tmp(c);
   if (quantized()) {
@@ -140,7 +154,7 @@ int64_t KvCache::length(int64_t b) const {
 
 int64_t KvCache::stored(int64_t b) const {
   check_sequence(b, "stored");
-  return config_.window > 0 ? std::min(length_[b], config_.window) : length_[b];
+  return std::min(length_[b], kept_slots());
 }
 
 void KvCache::reset() {
@@ -196,15 +210,16 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
     MHA_CHECK(cnt >= 0 && cnt <= n, "KvCache::append: count[{}] = {} outside [0, {}]", b, cnt, n);
     need = std::max(need, length_[b] + cnt);
   }
-  if (c.window > 0) need = std::min(need, c.window);
-  if (need > capacity_) reserve(std::max(need, std::min(2 * capacity_, c.window > 0 ? c.window : INT64_MAX)));
+  need = std::min(need, kept_slots());
+  if (need > capacity_) reserve(std::max(need, std::min(2 * capacity_, kept_slots())));
 
   const int bits = quant_bits(c.dtype);
   const int64_t kw = k_.shape()[3], vw = v_.shape()[3], es = static_cast<int64_t>(dtype_size(k_.dtype()));
   for (int64_t b = 0; b < c.batch; ++b) {
     const int64_t cnt = counts.empty() ? n : counts[b];
-    // A windowed cache only needs the last `window` of the new positions.
+    // A windowed cache only needs the last `window` of the new positions, and its sink positions.
     const int64_t first = c.window > 0 ? std::max<int64_t>(0, cnt - c.window) : 0;
+    const int64_t sinks_left = std::max<int64_t>(0, std::min(cnt, c.sink_tokens - length_[b]));
     std::vector<float> inv(bits ? static_cast<size_t>(c.head_dim_qk) : 0);
     for (int64_t h = 0; h < c.kv_heads; ++h) {
       float* ch = bits ? k_channels_.data<float>() + (b * c.kv_heads + h) * c.head_dim_qk : nullptr;
@@ -212,9 +227,10 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
       if (bits && !channels_fixed_[b] && cnt > 0)
         channel_scales(k.data + b * k.stride[0] + h * k.stride[1], k.stride[2], k.stride[3], cnt, c.head_dim_qk, ch);
       for (size_t e = 0; e < inv.size(); ++e) inv[e] = 1.0f / ch[e];
-      for (int64_t t = first; t < cnt; ++t) {
+      for (int64_t t = 0; t < cnt; ++t) {
+        if (t < first && t >= sinks_left) continue;  // overwritten later in this append
         const int64_t pos = length_[b] + t;
-        const int64_t row = (b * c.kv_heads + h) * capacity_ + (c.window > 0 ? pos % c.window : pos);
+        const int64_t row = (b * c.kv_heads + h) * capacity_ + slot(pos);
         write_row(k.data + b * k.stride[0] + h * k.stride[1] + t * k.stride[2], k.stride[3], c.head_dim_qk, c.dtype,
                   bits ? inv.data() : nullptr, static_cast<std::byte*>(k_.raw()) + row * kw * es,
                   bits ? k_scales_.data<float>() + row * k_scales_.shape()[3] : nullptr);

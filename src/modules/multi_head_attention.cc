@@ -70,6 +70,12 @@ MultiHeadAttentionConfig resolve_config(const MultiHeadAttentionConfig& in) {
   MHA_CHECK(c.window >= 0, "MultiHeadAttention: window must be >= 0; got {}", c.window);
   MHA_CHECK(c.window == 0 || c.causal != Causal::kNone, "MultiHeadAttention: a sliding window (window = {}) needs causal",
             c.window);
+  MHA_CHECK(c.sink_tokens >= 0 && (c.sink_tokens == 0 || c.window > 0),
+            "MultiHeadAttention: sink_tokens = {} keep the first positions past a sliding window; they need window > 0 "
+            "(window = {})", c.sink_tokens, c.window);
+  MHA_CHECK(c.sink_tokens == 0 || !c.alibi,
+            "MultiHeadAttention: sink_tokens with alibi are not supported (a cache holds the sinks apart from the "
+            "window, and ALiBi would measure the distance across the gap)");
   MHA_CHECK(std::isfinite(c.softcap) && c.softcap >= 0.0f,
             "MultiHeadAttention: softcap must be finite and >= 0 (0 turns it off); got {}", c.softcap);
   modules::check_rotary(c.rotary, c.qk_proj_dim / c.num_heads);
@@ -639,6 +645,7 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
             "MultiHeadAttention: options.causal turns causal masking off, but the module's window = {} needs it",
             c.window);
   opt.window = c.window;
+  opt.sink_tokens = c.sink_tokens;
   opt.num_threads = options.num_threads;
   opt.backend = options.backend;
   if (options.training) {

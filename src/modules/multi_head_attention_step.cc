@@ -76,15 +76,18 @@ void attend_stored(const View<const float>& q, const KvCache& cache, const View<
 
 // A windowed chunk (some sequence gets more than one position): its first query needs up to
 // window-1 positions before the chunk, which the chunk's own append could overwrite in the ring.
-// Gather them, in position order, followed by the chunk's keys (as the cache stores them);
-// attend; then append. T as in attend_stored.
+// Gather them, in position order — after the sink positions, if the cache keeps them — followed
+// by the chunk's keys (as the cache stores them); attend; then append. Index j of the gathered
+// keys is position j up to the sinks, then shifted by the positions between them and the window,
+// which moves every query by the same amount: causal limits and windows are the same in indices.
+// T as in attend_stored.
 template <typename T>
 void attend_window_chunk(const View<const float>& q, const View<const float>& kh, const View<const float>& vh,
                          const std::vector<int64_t>& counts, KvCache& cache, const View<float>& out,
                          AttentionOptions opt, const ops::ScoreHeads& score) {
   const KvCacheConfig& c = cache.config();
   const int64_t B = q.shape[0], n = q.shape[2], Hkv = c.kv_heads, dqk = c.head_dim_qk, dv = c.head_dim_v;
-  const int64_t before = c.window - 1, span = before + n;
+  const int64_t S = c.sink_tokens, span = S + c.window - 1 + n;
   Tensor kt(DTypeOf<T>::value, {B, Hkv, span, dqk}), vt(DTypeOf<T>::value, {B, Hkv, span, dv});
   Tensor hold[2];
   const auto [ck, cv] = stored_kv<T>(cache, hold);
@@ -94,10 +97,15 @@ void attend_window_chunk(const View<const float>& q, const View<const float>& kh
   Tensor lengths(DType::kI64, {B});
   std::vector<int64_t> offsets(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t L0 = cache.length(b), kept = std::min(L0, before);
+    const int64_t L0 = cache.length(b);
+    // Positions before the chunk: the sinks [0, min(S, L0)), then the window's [w0, L0).
+    std::vector<int64_t> positions;
+    for (int64_t p = 0; p < std::min(S, L0); ++p) positions.push_back(p);
+    for (int64_t p = std::max(S, L0 - (c.window - 1)); p < L0; ++p) positions.push_back(p);
+    const int64_t kept = static_cast<int64_t>(positions.size());
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int64_t t = 0; t < kept; ++t) {
-        const int64_t slot = (L0 - kept + t) % c.window;
+        const int64_t slot = cache.slot(positions[static_cast<size_t>(t)]);
         for (int64_t e = 0; e < dqk; ++e) ktv.at(b, h, t, e) = ck.at(b, h, slot, e);
         for (int64_t e = 0; e < dv; ++e) vtv.at(b, h, t, e) = cv.at(b, h, slot, e);
       }
@@ -111,6 +119,7 @@ void attend_window_chunk(const View<const float>& q, const View<const float>& kh
   }
   opt.causal = Causal::kBottomRight;
   opt.window = c.window;
+  opt.sink_tokens = S;
   const HeadsAs<T> io(q, out);
   BasicAttentionOutputs<T> ao;
   ao.out = io.o;
@@ -141,6 +150,7 @@ KvCache MultiHeadAttention::make_cache(int64_t batch, int64_t capacity, CacheTyp
   k.head_dim_v = head_dim_v();
   k.capacity = capacity;
   k.window = config_.window;
+  k.sink_tokens = config_.sink_tokens;
   k.dtype = dtype;
   return KvCache(k);
 }
@@ -198,11 +208,12 @@ MhaOutputs MultiHeadAttention::step_impl(const View<const T>& x, KvCache& cache,
   const int64_t B = x.shape[batch_first ? 0 : 1], n = x.shape[batch_first ? 1 : 0];
   const KvCacheConfig& kc = cache.config();
   MHA_CHECK(kc.batch == B && kc.kv_heads == c.num_kv_heads && kc.head_dim_qk == head_dim_qk() &&
-                kc.head_dim_v == head_dim_v() && kc.window == c.window,
-            "MultiHeadAttention::step: the cache (batch {}, kv heads {}, head dims {}/{}, window {}) does not fit this "
-            "module and input (batch {}, kv heads {}, head dims {}/{}, window {}); use make_cache()",
-            kc.batch, kc.kv_heads, kc.head_dim_qk, kc.head_dim_v, kc.window, B, c.num_kv_heads, head_dim_qk(),
-            head_dim_v(), c.window);
+                kc.head_dim_v == head_dim_v() && kc.window == c.window && kc.sink_tokens == c.sink_tokens,
+            "MultiHeadAttention::step: the cache (batch {}, kv heads {}, head dims {}/{}, window {}, sink tokens {}) "
+            "does not fit this module and input (batch {}, kv heads {}, head dims {}/{}, window {}, sink tokens {}); "
+            "use make_cache()",
+            kc.batch, kc.kv_heads, kc.head_dim_qk, kc.head_dim_v, kc.window, kc.sink_tokens, B, c.num_kv_heads,
+            head_dim_qk(), head_dim_v(), c.window, c.sink_tokens);
   std::vector<int64_t> counts = new_tokens.empty() ? std::vector<int64_t>(static_cast<size_t>(B), n) : new_tokens;
   MHA_CHECK(static_cast<int64_t>(counts.size()) == B, "MultiHeadAttention::step: {} new_tokens for a batch of {}",
             counts.size(), B);

@@ -90,14 +90,30 @@ void transform_rows(const RotaryFreqs& f, float eps, std::initializer_list<HeadT
                     const std::vector<int64_t>& first, bool inverse, int num_threads) {
   const View<const float>& x0 = xs.begin()->src;
   const int64_t B = x0.shape[0], T = x0.shape[2], half = f.dims / 2;
-  parallel_for(B * T, num_threads, [&](int64_t bt) {
-    const int64_t b = bt / T, t = bt % T;
-    const double pos = static_cast<double>(first[static_cast<size_t>(b)] + t);
-    float c[kMaxRotaryPairs], s[kMaxRotaryPairs];
+  // cos and sin of position first[b] + t: one table of T positions when every sequence starts at
+  // the same position (a forward), else computed per row (decoding).
+  const bool shared = std::all_of(first.begin(), first.end(), [&](int64_t x) { return x == first[0]; });
+  std::vector<float> table(shared ? static_cast<size_t>(2 * T * half) : 0);
+  auto angles = [&](int64_t pos, float* c, float* s) {
     for (int64_t i = 0; i < half; ++i) {
-      const double angle = pos * f.inv_freq[i];  // double: exact enough at any position
+      const double angle = static_cast<double>(pos) * f.inv_freq[i];  // double: exact enough anywhere
       c[i] = static_cast<float>(std::cos(angle) * f.attention_factor);
       s[i] = static_cast<float>((inverse ? -1 : 1) * std::sin(angle) * f.attention_factor);
+    }
+  };
+  if (shared && half > 0) {
+    parallel_for(T, num_threads, [&](int64_t t) { angles(first[0] + t, &table[2 * t * half], &table[(2 * t + 1) * half]); });
+  }
+  parallel_for(B * T, num_threads, [&](int64_t bt) {
+    const int64_t b = bt / T, t = bt % T;
+    float own[2 * kMaxRotaryPairs];
+    const float* c = own;
+    const float* s = own + half;
+    if (shared) {
+      c = table.data() + 2 * t * half;
+      s = c + half;
+    } else {
+      angles(first[static_cast<size_t>(b)] + t, own, own + half);
     }
     for (const HeadTransform& x : xs) {
       const int64_t D = x.src.shape[3], se = x.src.stride[3], de = x.dst.stride[3];

@@ -199,9 +199,14 @@ kernels::AttentionParams make_attention_params(const BasicAttentionInputs<T>& in
   MHA_CHECK(options.window >= 0, "attention: window must be >= 0; got {}", options.window);
   MHA_CHECK(options.window == 0 || options.causal != Causal::kNone,
             "attention: a sliding window (window = {}) needs causal masking", options.window);
+  MHA_CHECK(options.sink_tokens >= 0, "attention: sink_tokens must be >= 0; got {}", options.sink_tokens);
+  MHA_CHECK(options.sink_tokens == 0 || options.window > 0,
+            "attention: sink_tokens = {} keep the first keys visible past a sliding window; they need window > 0",
+            options.sink_tokens);
   check_num_threads(options.num_threads, "attention: ");
   p.causal = options.causal;
   p.window = options.window;
+  p.sink_tokens = options.sink_tokens;
   p.dropout_p = options.dropout_p;
   p.dropout_seed = options.dropout_seed;
 

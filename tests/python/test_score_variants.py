@@ -343,3 +343,33 @@ def test_module_step_equals_forward_and_weights_round_trip():
     del sd["sinks"]
     with pytest.raises(mha.Error, match="'sinks' is missing"):
         m.load_state_dict(sd)
+
+
+def test_streaming_llm_sink_tokens():
+    """A window with StreamingLLM's sink tokens equals the keep mask of that visible set, in the
+    functional call (forward and gradients) and in a module decoding token by token (its cache
+    keeps the sinks apart from the window's ring)."""
+    rng = np.random.default_rng(29)
+    B, H, T, D, W, S = 2, 2, 40, 8, 6, 3
+    q, k, v = (torch.tensor(rng.standard_normal((B, H, T, D)), dtype=torch.float32, requires_grad=True)
+               for _ in range(3))
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    keep = (j <= i) & ((j > i - W) | (j < S))
+    got = mha.scaled_dot_product_attention(q, k, v, is_causal=True, window=W, sink_tokens=S)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=keep)
+    dout = torch.tensor(rng.standard_normal(got.shape), dtype=torch.float32)
+    grads = torch.autograd.grad((got * dout).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * dout.double()).sum(), (q, k, v))
+    assert (got - want).abs().max() < 1e-5
+    for g, w in zip(grads, want_grads):
+        assert (g - w).abs().max() < 1e-4 * max(1.0, w.abs().max().item())
+    m = mha.MultiheadAttention(16, 2, batch_first=True, window=W, sink_tokens=S, rotary={"dims": 8})
+    m.eval()
+    assert m.config["sink_tokens"] == S and m.config["window"] == W
+    x = rng.standard_normal((2, 25, 16)).astype(np.float32)
+    full, _ = m(x, x, x, need_weights=False)
+    cache = m.make_cache(2)
+    rows = [m.step(x[:, :9], cache)] + [m.step(x[:, t:t + 1], cache) for t in range(9, 25)]
+    np.testing.assert_allclose(np.concatenate(rows, axis=1), full, rtol=0, atol=2e-5 * np.abs(full).max())
+    with pytest.raises(mha.Error, match="sink_tokens = 2"):
+        mha.scaled_dot_product_attention(q, k, v, sink_tokens=2)

@@ -77,10 +77,12 @@ struct TaskRows {
   uint8_t* valid;           // per padded row
   int64_t* head;            // query head of the row
   int64_t* query;           // query index of the row
-  int64_t* lo;              // visible key range [lo, hi) from causal/window/lengths
+  int64_t* lo;              // visible key range [lo, hi) from causal/window/lengths,
   int64_t* hi;
+  int64_t* sink_hi;         // and [0, sink_hi) of sink tokens past a gap (KeyRange)
   int32_t* lo_rel;          // lo and hi relative to the block being masked (MaskBlock): int32
   int32_t* hi_rel;          // lanes compare them, and they fit whatever the key count
+  int32_t* sink_rel;
   float* slope;             // ALiBi (if p.alibi): the row's slope (0 for invalid rows),
   int64_t* pos;             // its query position,
   float* pos_rel;           // and that position relative to the block being masked
@@ -101,12 +103,15 @@ inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_
   t.hi = ws.get<int64_t>(Workspace::kTileHi, t.mpad);
   t.lo_rel = ws.get<int32_t>(Workspace::kTileLoRel, t.mpad);
   t.hi_rel = ws.get<int32_t>(Workspace::kTileHiRel, t.mpad);
+  t.sink_hi = ws.get<int64_t>(Workspace::kTileSinkHi, t.mpad);
+  t.sink_rel = ws.get<int32_t>(Workspace::kTileSinkRel, t.mpad);
   t.head = ws.get<int64_t>(Workspace::kTileHead, t.mpad);
   t.query = ws.get<int64_t>(Workspace::kTileQuery, t.mpad);
   t.valid = ws.get<uint8_t>(Workspace::kTileValid, t.mpad);
   std::fill(t.valid, t.valid + t.mpad, 0);
   std::fill(t.lo, t.lo + t.mpad, 0);
   std::fill(t.hi, t.hi + t.mpad, 0);
+  std::fill(t.sink_hi, t.sink_hi + t.mpad, 0);
   std::fill(t.head, t.head + t.mpad, 0);
   std::fill(t.query, t.query + t.mpad, 0);
   for (int64_t g = 0; g < p.group(); ++g) {
@@ -118,6 +123,7 @@ inline TaskRows MakeRows(const AttentionParams& p, const FlashPlan& plan, int64_
       t.query[r] = i;
       t.lo[r] = k.lo;
       t.hi[r] = k.hi;
+      t.sink_hi[r] = k.sink_hi;
     }
   }
   if (p.alibi) {
@@ -226,8 +232,8 @@ inline KeyBlock MakeBlock(const AttentionParams& p, const TaskRows& t, int64_t j
   bool any = false, all = true;
   for (int64_t r = 0; r < t.rows; ++r) {
     if (!t.valid[r]) continue;
-    any |= t.lo[r] < t.hi[r] && t.lo[r] < j1 && t.hi[r] > j0;
-    all &= t.lo[r] <= j0 && t.hi[r] >= j1;
+    any |= (t.lo[r] < t.hi[r] && t.lo[r] < j1 && t.hi[r] > j0) || t.sink_hi[r] > j0;
+    all &= (t.lo[r] <= j0 && t.hi[r] >= j1) || t.sink_hi[r] >= j1;
   }
   if (!any || ub <= ua) {
     k.kind = BlockKind::kSkip;
@@ -239,8 +245,8 @@ inline KeyBlock MakeBlock(const AttentionParams& p, const TaskRows& t, int64_t j
     for (int64_t r = 0; r < t.rows && (all_kept || !some_kept); ++r) {
       if (!t.valid[r]) continue;
       const uint8_t* m = p.keep + t.b * p.keep_stride[0] + t.head[r] * p.keep_stride[1] + t.query[r] * p.keep_stride[2];
-      const int64_t a = std::max<int64_t>(j0, t.lo[r]), e = std::min<int64_t>(je, t.hi[r]);
-      for (int64_t j = a; j < e; ++j) {
+      for (int64_t j = j0; j < je; ++j) {
+        if (!(j >= t.lo[r] && j < t.hi[r]) && j >= t.sink_hi[r]) continue;
         const bool kept = m[j * p.keep_stride[3]] != 0;
         some_kept |= kept;
         all_kept &= kept;
@@ -302,15 +308,17 @@ inline void MaskBlock(DF d, const AttentionParams& p, const TaskRows& t, const K
     for (size_t r = 0; r < t.mpad; ++r) {
       t.lo_rel[r] = static_cast<int32_t>(std::clamp<int64_t>(t.lo[r] - k.a, 0, k.n));
       t.hi_rel[r] = static_cast<int32_t>(std::clamp<int64_t>(t.hi[r] - k.a, 0, k.n));
+      t.sink_rel[r] = static_cast<int32_t>(std::clamp<int64_t>(t.sink_hi[r] - k.a, 0, k.n));
     }
     const hn::RebindToSigned<DF> di;
     for (int64_t j = 0; j < k.n; ++j) {
       const auto jj = hn::Set(di, static_cast<int32_t>(j));
       const auto jj1 = hn::Set(di, static_cast<int32_t>(j + 1));
       for (size_t rv = 0; rv < t.nvec; ++rv) {
-        // lo <= j < hi
+        // lo <= j < hi, or j < sink_hi
         const auto vis =
-            hn::And(hn::Lt(hn::Load(di, t.lo_rel + rv * N), jj1), hn::Lt(jj, hn::Load(di, t.hi_rel + rv * N)));
+            hn::Or(hn::And(hn::Lt(hn::Load(di, t.lo_rel + rv * N), jj1), hn::Lt(jj, hn::Load(di, t.hi_rel + rv * N))),
+                   hn::Lt(jj, hn::Load(di, t.sink_rel + rv * N)));
         float* s = st + j * t.mpad + rv * N;
         hn::Store(hn::IfThenElse(hn::RebindMask(d, vis), hn::Load(d, s), hn::Set(d, kNegInf)), d, s);
       }

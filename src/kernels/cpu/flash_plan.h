@@ -36,13 +36,14 @@ inline TaskCoords task_coords(const AttentionParams& p, const FlashPlan& plan, i
   return {bh / p.kv_heads, bh % p.kv_heads, qb};
 }
 
-// The smallest key range holding every key that some query of [i0, i1) can see.
+// The smallest key range holding every key that some query of [i0, i1) can see (sink tokens
+// included).
 inline KeyRange task_keys(const AttentionParams& p, int64_t b, int64_t i0, int64_t i1) {
   KeyRange u{0, 0};
   for (int64_t i = i0; i < i1; ++i) {
     const KeyRange k = visible_keys(p, b, i);
     if (k.hi <= k.lo) continue;
-    u = u.hi > u.lo ? KeyRange{std::min(u.lo, k.lo), std::max(u.hi, k.hi)} : k;
+    u = u.hi > u.lo ? KeyRange{std::min(u.lo, k.first()), std::max(u.hi, k.hi)} : KeyRange{k.first(), k.hi};
   }
   return u;
 }

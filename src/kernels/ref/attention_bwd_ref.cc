@@ -37,7 +37,7 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
       Acc max = kNegInf;
       bool nan = false;
       for (int64_t j = 0; j < Tk; ++j) {
-        bool vis = j >= range.lo && j < range.hi;
+        bool vis = range.visible(j);
         if (vis && p.keep) {
           vis = p.keep[b * p.keep_stride[0] + h * p.keep_stride[1] + i * p.keep_stride[2] + j * p.keep_stride[3]] != 0;
         }

@@ -33,7 +33,7 @@ void compute_head_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i,
 
   // Scores of the visible keys.
   for (int64_t j = 0; j < Tk; ++j) {
-    visible[j] = j >= range.lo && j < range.hi;
+    visible[j] = range.visible(j);
     if (visible[j] && p.keep) {
       visible[j] = p.keep[b * p.keep_stride[0] + h * p.keep_stride[1] + i * p.keep_stride[2] + j * p.keep_stride[3]] != 0;
     }
