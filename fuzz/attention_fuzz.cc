@@ -68,8 +68,14 @@ void check_sixteen_bit(const mha::AttentionInputs& ai, const Tensor& q, const Te
   wide.query = same_layout<float>(ai.query, qw);
   wide.key = same_layout<float>(ai.key, kw);
   wide.value = same_layout<float>(ai.value, vw);
-  mha::BasicAttentionInputs<T> half{same_layout<T>(ai.query, q16), same_layout<T>(ai.key, k16),
-                                    same_layout<T>(ai.value, v16), ai.keep_mask, ai.attn_bias, ai.key_lengths};
+  mha::BasicAttentionInputs<T> half{same_layout<T>(ai.query, q16),
+                                    same_layout<T>(ai.key, k16),
+                                    same_layout<T>(ai.value, v16),
+                                    ai.keep_mask,
+                                    ai.attn_bias,
+                                    ai.key_lengths,
+                                    ai.alibi_slopes,
+                                    ai.sinks};
   std::vector<int64_t> wshape = weights == 1 ? std::vector<int64_t>{B, Hq, Tq, Tk} : std::vector<int64_t>{B, Tq, Tk};
   Tensor o32(mha::DType::kF32, {B, Hq, Tq, Dv}), l32(mha::DType::kF32, {B, Hq, Tq}), w32;
   Tensor o16(t, {B, Hq, Tq, Dv}), l16(mha::DType::kF32, {B, Hq, Tq}), w16;
@@ -133,6 +139,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   opt.window = in.flag() ? in.range(-1, 20) : 0;
   if (in.flag()) opt.dropout_p = 0.3f, opt.dropout_seed = in.u64();
   if (in.flag()) opt.scale = rng.next() / 4;
+  // Score variants: softcap (a negative one must be refused), ALiBi slopes, sinks, sink tokens
+  // (without a window: refused).
+  Tensor slopes, sinks;
+  if (in.flag()) opt.softcap = in.flag() ? 0.25f + std::fabs(rng.next()) : -1.0f;
+  if (in.flag()) {
+    slopes = Tensor(mha::DType::kF32, {Hq});
+    for (int64_t h = 0; h < Hq; ++h) slopes.data<float>()[h] = std::fabs(rng.next()) / 16;  // [0, 0.5)
+    ai.alibi_slopes = slopes.view<float>();
+  }
+  if (in.flag()) {
+    sinks = Tensor(mha::DType::kF32, {Hq});
+    for (int64_t h = 0; h < Hq; ++h) sinks.data<float>()[h] = rng.next() / 2;
+    ai.sinks = sinks.view<float>();
+  }
+  if (in.flag()) opt.sink_tokens = in.range(-1, 8);
   opt.num_threads = 1;
   const int weights = static_cast<int>(in.range(0, 2));  // none, per head, averaged
 
@@ -178,8 +199,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (std::isfinite(t.data<float>()[i])) m = std::max(m, std::fabs(static_cast<double>(t.data<float>()[i])));
     return m;
   };
-  const double s_max = static_cast<double>(std::fabs(p.scale)) * D * max_abs(q) * max_abs(k) +
-                       (bias.defined() ? max_abs(bias) : 0.0);
+  // Scores: the softcap bounds the dot product's part; ALiBi adds up to max slope · Tk.
+  const double dot_max = static_cast<double>(std::fabs(p.scale)) * D * max_abs(q) * max_abs(k);
+  const double s_max = (opt.softcap > 0 ? std::min<double>(dot_max, opt.softcap) : dot_max) +
+                       (bias.defined() ? max_abs(bias) : 0.0) + (slopes.defined() ? max_abs(slopes) * Tk : 0.0);
   const double ds = (D + 2) * u * s_max;
   const double drop_scale = opt.dropout_p > 0 ? 1.0 / (1.0 - opt.dropout_p) : 1.0;
   const double v_max = max_abs(v) * drop_scale;

@@ -15,6 +15,7 @@
 #include "mha/multi_head_attention.h"
 #include "mha/paged_kv_cache.h"
 #include "mha/varlen.h"
+#include "modules/positional.h"
 #include "test_util.h"
 
 namespace mha::test {
@@ -374,6 +375,65 @@ TEST(HostileCaches, VarlenOffsetsAtTheInt64Limits) {
                                       ok.view<int64_t>()};
     expect_error([&] { varlen_attention(in, out.view<float>()); }, {"varlen_attention", "cu_seqlens_q"});
   }
+}
+
+// Score variants at the limits: sink tokens and windows of int64's size, slopes that overflow a
+// score to -inf, a sink of float max, rotary positions past 2^31.
+TEST(HostileVariants, LimitsOfSinkTokensSlopesAndPositions) {
+  Rng rng(base_seed() + 160);
+  const Tensor q = random_tensor(rng, {1, 2, 3, 8}), k = random_tensor(rng, {1, 2, 5, 8}), v = random_tensor(rng, {1, 2, 5, 8});
+  Tensor out(DType::kF32, {1, 2, 3, 8}), lse(DType::kF32, {1, 2, 3});
+  AttentionOptions opt;
+  opt.causal = Causal::kBottomRight;
+  opt.window = std::numeric_limits<int64_t>::max();
+  opt.sink_tokens = std::numeric_limits<int64_t>::max();
+  attention({q.view<float>(), k.view<float>(), v.view<float>()}, {out.view<float>()}, opt);  // everything visible
+  for (int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isfinite(out.data<float>()[i]));
+  // Slopes so steep that far keys' scores become -inf: those keys get weight 0, never NaN.
+  Tensor slopes(DType::kF32, {2});
+  slopes.data<float>()[0] = 3e38f;
+  slopes.data<float>()[1] = 1.0f;
+  AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
+  in.alibi_slopes = slopes.view<float>();
+  AttentionOptions plain;
+  plain.causal = Causal::kBottomRight;
+  for (Backend backend : {Backend::kFast, Backend::kReference}) {
+    plain.backend = backend;
+    attention(in, {out.view<float>(), lse.view<float>()}, plain);
+    for (int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isfinite(out.data<float>()[i])) << i;
+  }
+  // A sink of float max: every row's weights underflow to 0 — zeros, LSE = the sink.
+  Tensor sinks(DType::kF32, {2});
+  sinks.data<float>()[0] = sinks.data<float>()[1] = std::numeric_limits<float>::max();
+  AttentionInputs with_sinks{q.view<float>(), k.view<float>(), v.view<float>()};
+  with_sinks.sinks = sinks.view<float>();
+  attention(with_sinks, {out.view<float>(), lse.view<float>()});
+  for (int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.data<float>()[i], 0.0f);
+  for (int64_t i = 0; i < lse.numel(); ++i) ASSERT_EQ(lse.data<float>()[i], std::numeric_limits<float>::max());
+  // A KvCache whose sink tokens and window overflow int64 together is refused.
+  KvCacheConfig kc;
+  kc.head_dim_qk = kc.head_dim_v = 8;
+  kc.window = 2;
+  kc.sink_tokens = std::numeric_limits<int64_t>::max();
+  expect_error([&] { KvCache cache(kc); }, {"sink_tokens + window", "overflows"});
+  // Rotary at position 2^40: the angle pos·f is formed in double (exact here) and reduced by
+  // std::cos/sin, so the first pair rotates by exactly cos(2^40), sin(2^40); the inverse undoes it.
+  RotaryConfig r;
+  r.dims = 4;
+  const modules::RotaryFreqs f = modules::rotary_freqs(r);
+  Tensor x(DType::kF32, {1, 1, 1, 4}), y(DType::kF32, {1, 1, 1, 4});
+  for (int i = 0; i < 4; ++i) x.data<float>()[i] = y.data<float>()[i] = static_cast<float>(i + 1);
+  const std::vector<int64_t> first{int64_t{1} << 40};
+  modules::transform_qk(f, 0.0f, {y.view<float>(), y.view<float>()}, first, {y.view<float>(), y.view<float>()}, first,
+                        false, 1);
+  const long double a = std::ldexp(1.0L, 40);
+  // The q and k views alias here: the pair was rotated twice, by 2·2^40.
+  const long double c2 = std::cos(2 * a), s2 = std::sin(2 * a);
+  EXPECT_NEAR(y.data<float>()[0], static_cast<float>(1 * c2 - 3 * s2), 1e-5);
+  EXPECT_NEAR(y.data<float>()[2], static_cast<float>(1 * s2 + 3 * c2), 1e-5);
+  modules::transform_qk(f, 0.0f, {y.view<float>(), y.view<float>()}, first, {y.view<float>(), y.view<float>()}, first,
+                        true, 1);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(y.data<float>()[i], x.data<float>()[i], 1e-5) << i;
 }
 
 }  // namespace

@@ -27,6 +27,8 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   const auto& c = config_;
   MHA_CHECK(c.sink_tokens >= 0 && (c.sink_tokens == 0 || c.window > 0),
             "KvCache: sink_tokens = {} needs a window (window = {}); both >= 0", c.sink_tokens, c.window);
+  MHA_CHECK(c.sink_tokens <= std::numeric_limits<int64_t>::max() - c.window,
+            "KvCache: sink_tokens + window = {} + {} overflows int64", c.sink_tokens, c.window);
   MHA_CHECK(c.batch >= 0 && c.kv_heads > 0 && c.head_dim_qk > 0 && c.head_dim_v > 0 && c.capacity >= 0 && c.window >= 0,
             "KvCache: batch {}, kv_heads {}, head dims ({}, {}), capacity {}, window {}: all must be positive "
             "(batch, capacity and window may be 0)",
