@@ -47,23 +47,13 @@ struct Problem {
                   opt.dropout_p);
     return buf + std::string(in.keep_mask.given() ? " keep" : "") + (in.attn_bias.given() ? " bias" : "") +
            (in.key_lengths.given() ? " lengths" : "") + (opt.softcap > 0 ? " softcap" : "") +
-           (in.alibi_slopes.given() ? " alibi" : "") + (in.sinks.given() ? " sinks" : "");
+           (in.alibi_slopes.given() ? " alibi" : "") + (in.sinks.given() ? " sinks" : "") +
+           (opt.sink_tokens ? " sink_tokens=" + std::to_string(opt.sink_tokens) : "");
   }
-  // The score variants of issue 14, each with probability `chance`: a softcap of the order of
-  // the scores (so tanh bends them), ALiBi slopes per head or per (batch, head), sink logits.
   void add_variants(Rng& rng, double chance) {
-    if (rng.coin(chance)) opt.softcap = static_cast<float>(0.3 + rng.uniform());
-    if (rng.coin(chance)) {
-      alibi = rng.coin(0.5) ? Tensor(DType::kF32, {Hq}) : Tensor(DType::kF32, {B, Hq});
-      for (int64_t i = 0; i < alibi.numel(); ++i) alibi.data<float>()[i] = static_cast<float>(0.5 * rng.uniform());
-      in.alibi_slopes = alibi.view<float>();
-    }
-    if (rng.coin(chance)) {
-      sinks = Tensor(DType::kF32, {Hq});
-      for (int64_t i = 0; i < Hq; ++i) sinks.data<float>()[i] = static_cast<float>(2 * rng.uniform() - 1);
-      in.sinks = sinks.view<float>();
-    }
+    add_score_variants(rng, chance, B, Hq, 1.0f, in, opt, &alibi, &sinks);
   }
+
 };
 
 struct Grads {

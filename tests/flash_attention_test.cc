@@ -37,20 +37,8 @@ struct Problem {
   AttentionInputs in;
   AttentionOptions opt;
 
-  // The score variants (issue 14), each with probability `chance`; scores are O(1) here, so a
-  // softcap in [0.3, 1.3] bends them and slopes up to 0.5 matter over tens of keys.
   void add_variants(Rng& rng, double chance) {
-    if (rng.coin(chance)) opt.softcap = static_cast<float>(0.3 + rng.uniform());
-    if (rng.coin(chance)) {
-      alibi = rng.coin(0.5) ? Tensor(DType::kF32, {Hq}) : Tensor(DType::kF32, {B, Hq});
-      for (int64_t i = 0; i < alibi.numel(); ++i) alibi.data<float>()[i] = static_cast<float>(0.5 * rng.uniform());
-      in.alibi_slopes = alibi.view<float>();
-    }
-    if (rng.coin(chance)) {
-      sinks = Tensor(DType::kF32, {Hq});
-      for (int64_t i = 0; i < Hq; ++i) sinks.data<float>()[i] = static_cast<float>(4 * rng.uniform() - 2);
-      in.sinks = sinks.view<float>();
-    }
+    add_score_variants(rng, chance, B, Hq, 2.0f, in, opt, &alibi, &sinks);
   }
 
   void make(Rng& rng) {

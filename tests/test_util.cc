@@ -79,6 +79,21 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
 
+void add_score_variants(Rng& rng, double chance, int64_t B, int64_t Hq, float sink_range, AttentionInputs& in,
+                        AttentionOptions& opt, Tensor* alibi, Tensor* sinks) {
+  if (rng.coin(chance)) opt.softcap = static_cast<float>(0.3 + rng.uniform());
+  if (rng.coin(chance)) {
+    *alibi = rng.coin(0.5) ? Tensor(DType::kF32, {Hq}) : Tensor(DType::kF32, {B, Hq});
+    for (int64_t i = 0; i < alibi->numel(); ++i) alibi->data<float>()[i] = static_cast<float>(0.5 * rng.uniform());
+    in.alibi_slopes = alibi->view<float>();
+  }
+  if (rng.coin(chance)) {
+    *sinks = Tensor(DType::kF32, {Hq});
+    for (int64_t i = 0; i < Hq; ++i) sinks->data<float>()[i] = static_cast<float>(sink_range * (2 * rng.uniform() - 1));
+    in.sinks = sinks->view<float>();
+  }
+}
+
 NaiveResult naive_attention(const AttentionInputs& in, const AttentionOptions& options) {
   const auto& q = in.query;
   const auto& k = in.key;

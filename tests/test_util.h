@@ -48,6 +48,12 @@ bool bitwise_equal(const Tensor& a, const Tensor& b);
 // Runs f and checks that it throws mha::Error mentioning every one of `words`.
 void expect_error(const std::function<void()>& f, const std::vector<std::string>& words);
 
+// The score variants of issue 14 (mha/attention.h), each with probability `chance`: a softcap
+// of the order of O(1) scores (so tanh bends them), ALiBi slopes in [0, 0.5) per head or per
+// (batch, head), sinks uniform in ±sink_range. The tensors the inputs view go to *alibi, *sinks.
+void add_score_variants(Rng& rng, double chance, int64_t B, int64_t Hq, float sink_range, AttentionInputs& in,
+                        AttentionOptions& opt, Tensor* alibi, Tensor* sinks);
+
 // An independent naive attention in double: dense masks built element by element, K/V
 // repeated per query head, softmax through an explicit log-sum-exp. Outputs are contiguous
 // (B, Hq, Tq, Dv), (B, Hq, Tq) and (B, Hq, Tq, Tk) per-head weights before dropout.
