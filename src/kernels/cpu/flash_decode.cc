@@ -349,7 +349,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       float* sr = s + r * block;
       if (p.softcap > 0 || p.alibi) {
         const int64_t h = rows.head(p, hk, r);
-        const auto cap = hn::Set(d, p.softcap), inv = hn::Set(d, 1.0f / p.softcap);
+        const auto cap = hn::Set(d, p.softcap), inv = hn::Set(d, p.softcap > 0 ? 1.0f / p.softcap : 0.0f);
         const auto slope = hn::Set(d, alibi_slope(p, b, h));
         // Distances as float, exact below 2^24 keys (as in the prefill kernels).
         const auto pos = hn::Set(d, static_cast<float>(query_position(p, b, rows.query(p, r)) - j0));
