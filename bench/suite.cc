@@ -103,16 +103,12 @@ std::vector<DecodeCase> decode_cases() {
   return v;
 }
 
-namespace {
-
 Tensor filled(std::vector<int64_t> shape, float scale) {
   Tensor t(DType::kF32, std::move(shape));
   float* p = t.data<float>();
   for (int64_t i = 0; i < t.numel(); ++i) p[i] = scale * static_cast<float>((i * 2654435761u) % 1000) / 1000.0f;
   return t;
 }
-
-}  // namespace
 
 double time_mha_attention(const AttentionCase& c, int threads, double seconds) {
   const Tensor q = filled({c.B, c.H, c.Tq, c.D}, 1.0f), k = filled({c.B, c.Hkv, c.Tk, c.D}, 1.0f);
@@ -381,126 +377,6 @@ void run_varlen(const Options& o) {
   for (auto [name, t] : {std::pair<const char*, double>{"varlen_attention (packed)", packed},
                          {"one by one", alone}, {"padded batch + key_lengths", padded}}) {
     fmt::print("{:<28} {:>10.2f} {:>10.1f} {:>11.2f}x\n", name, t * 1e3, flops / t / 1e9, t / packed);
-  }
-}
-
-void run_variants(const Options& o) {
-  struct Variant {
-    const char* name;
-    bool softcap, alibi, sinks;
-  };
-  const Variant variants[] = {{"plain", false, false, false}, {"softcap 50", true, false, false},
-                              {"alibi", false, true, false},  {"sinks", false, false, true},
-                              {"all three", true, true, true}};
-  // Prefill (forward, backward) at a Llama-style GQA shape, and one decode step over 8192 keys.
-  const int64_t B = 1, Hq = 32, Hkv = 8, T = 2048, D = 128, L = 8192;
-  auto slopes_for = [](int64_t H) {
-    Tensor t(DType::kF32, {H});
-    for (int64_t h = 0; h < H; ++h) t.data<float>()[h] = std::exp2(-8.0f * static_cast<float>(h + 1) / H);
-    return t;
-  };
-  const Tensor slopes = slopes_for(Hq), sinks = filled({Hq}, 0.5f);
-  const Tensor q = filled({B, Hq, T, D}, 0.5f), k = filled({B, Hkv, T, D}, 0.25f), v = filled({B, Hkv, T, D}, 1.0f);
-  const Tensor dout = filled({B, Hq, T, D}, 1.0f);
-  Tensor out(DType::kF32, {B, Hq, T, D}), lse(DType::kF32, {B, Hq, T});
-  Tensor dq(DType::kF32, {B, Hq, T, D}), dk(DType::kF32, {B, Hkv, T, D}), dv(DType::kF32, {B, Hkv, T, D});
-  Tensor dsinks(DType::kF32, {Hq});
-  const Tensor q1 = filled({B, Hq, 1, D}, 0.5f), kc = filled({B, Hkv, L, D}, 0.25f), vc = filled({B, Hkv, L, D}, 1.0f);
-  Tensor out1(DType::kF32, {B, Hq, 1, D});
-  const AttentionCase c{"", B, Hq, Hkv, T, T, D, D, true};
-  fmt::print("threads {}; causal prefill (B, Hq, Hkv, T, D) = ({}, {}, {}, {}, {}); decode: 1 token against {} keys\n",
-             o.threads, B, Hq, Hkv, T, D, L);
-  fmt::print("{:<12} {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>11} {:>8}\n", "", "fwd ms", "GFLOP/s", "% plain",
-             "bwd ms", "GFLOP/s", "% plain", "decode µs", "% plain");
-  // Timings on a shared VM drift by 10-40% within minutes: every variant is measured right after
-  // plain in each of eleven rounds; reported are its median time and the median of its per-round
-  // ratios to plain (drift shared by the neighbours of one round cancels there).
-  constexpr int kRounds = 11;
-  constexpr size_t kVariants = sizeof(variants) / sizeof(variants[0]);
-  std::vector<double> times[kVariants][3];
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  auto ratio = [&](const std::vector<double>& base, const std::vector<double>& x) {  // median of base/x
-    std::vector<double> r;
-    for (size_t i = 0; i < x.size(); ++i) r.push_back(base[i] / x[i]);
-    return median(r);
-  };
-  for (int round = 0; round < kRounds; ++round) {
-  for (size_t vi = 0; vi < kVariants; ++vi) {
-    const Variant& var = variants[vi];
-    AttentionOptions opt;
-    opt.num_threads = o.threads;
-    opt.causal = Causal::kBottomRight;
-    opt.softcap = var.softcap ? 50.0f : 0.0f;
-    AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
-    if (var.alibi) in.alibi_slopes = slopes.view<float>();
-    if (var.sinks) in.sinks = sinks.view<float>();
-    const double f = time_calls([&] { attention(in, {out.view<float>(), lse.view<float>()}, opt); }, o.seconds);
-    const AttentionInputGrads g{dq.view<float>(), dk.view<float>(), dv.view<float>(),
-                                var.sinks ? dsinks.view<float>() : View<float>()};
-    const double b = time_calls(
-        [&] { attention_backward(in, out.view<float>(), lse.view<float>(), dout.view<float>(), g, opt); }, o.seconds);
-    AttentionInputs dec{q1.view<float>(), kc.view<float>(), vc.view<float>()};
-    dec.alibi_slopes = in.alibi_slopes;
-    dec.sinks = in.sinks;
-    const double d = time_calls([&] { attention(dec, {out1.view<float>()}, opt); }, o.seconds);
-    times[vi][0].push_back(f);
-    times[vi][1].push_back(b);
-    times[vi][2].push_back(d);
-  }
-  }
-  // Rotary embeddings and QK-norm inside the module at gpt2-512 (B = 4, T = 512, E = 768, 12
-  // heads, causal): inference forward and a training step (forward + backward).
-  struct ModuleVariant {
-    const char* name;
-    bool rotary, qk_norm;
-  };
-  const ModuleVariant module_variants[] = {{"plain", false, false}, {"rotary", true, false}, {"rotary + qk-norm", true, true}};
-  const int64_t MB = 4, MT = 512, ME = 768;
-  const Tensor mx = filled({MB, MT, ME}, 1.0f), mr = filled({MB, MT, ME}, 1.0f);
-  std::vector<double> mtimes[3][2];
-  for (int round = 0; round < kRounds; ++round) {
-    for (size_t vi = 0; vi < 3; ++vi) {
-      MultiHeadAttentionConfig config;
-      config.embed_dim = ME;
-      config.num_heads = 12;
-      config.causal = Causal::kTopLeft;
-      if (module_variants[vi].rotary) config.rotary.dims = ME / 12;
-      config.qk_norm = module_variants[vi].qk_norm;
-      MultiHeadAttention m(config, 1);
-      MhaCallOptions options;
-      options.num_threads = o.threads;
-      MhaInputs in;
-      in.query = mx.view<float>();
-      const double f = time_calls([&] { m.forward(in, options); }, o.seconds);
-      options.training = true;
-      MhaParamGrads grads = m.make_grads();
-      const double t = time_calls(
-          [&] {
-            MhaTape tape;
-            m.forward(in, options, &tape);
-            m.backward(tape, mr.view<float>(), &grads, options);
-          },
-          o.seconds);
-      mtimes[vi][0].push_back(f);
-      mtimes[vi][1].push_back(t);
-    }
-  }
-  for (size_t vi = 0; vi < kVariants; ++vi) {
-    const double f = median(times[vi][0]), b = median(times[vi][1]), d = median(times[vi][2]);
-    fmt::print("{:<12} {:>10.2f} {:>8.1f} {:>7.1f}% {:>10.2f} {:>8.1f} {:>7.1f}% {:>11.1f} {:>7.1f}%\n", variants[vi].name,
-               f * 1e3, c.flops() / f / 1e9, 100 * ratio(times[0][0], times[vi][0]), b * 1e3,
-               c.backward_flops() / b / 1e9, 100 * ratio(times[0][1], times[vi][1]), d * 1e6,
-               100 * ratio(times[0][2], times[vi][2]));
-  }
-  fmt::print("\nmodule at gpt2-512 (B, T, E, H) = ({}, {}, {}, 12), causal; rotary on all 64 head dims\n", MB, MT, ME);
-  fmt::print("{:<18} {:>12} {:>12} {:>16} {:>12}\n", "", "forward ms", "cost", "train step ms", "cost");
-  for (size_t vi = 0; vi < 3; ++vi) {
-    fmt::print("{:<18} {:>12.2f} {:>11.1f}% {:>16.2f} {:>11.1f}%\n", module_variants[vi].name,
-               median(mtimes[vi][0]) * 1e3, 100 * (1 / ratio(mtimes[0][0], mtimes[vi][0]) - 1),
-               median(mtimes[vi][1]) * 1e3, 100 * (1 / ratio(mtimes[0][1], mtimes[vi][1]) - 1));
   }
 }
 

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "mha/tensor.h"
+
 namespace mha::bench {
 
 struct AttentionCase {
@@ -58,6 +60,9 @@ struct Options {
   double seconds = 0.5;  // per measurement
   std::string csv, json;
 };
+
+// A float32 tensor of a fixed pseudo-random pattern in [0, scale): benchmark inputs.
+Tensor filled(std::vector<int64_t> shape, float scale);
 
 // Median seconds per call of f over at least `seconds` (after one warm-up call).
 double time_calls(const std::function<void()>& f, double seconds);
