@@ -616,9 +616,13 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
   Tensor qn, kn;
   View<float> q_heads = heads.q, k_heads = heads.k;
   if (c.qk_norm && tape) {
-    qn = Tensor(DType::kF32, {B, Hq, Tq, head_dim_qk()});
-    kn = Tensor(DType::kF32, {B, c.num_kv_heads, Tk, head_dim_qk()});
-    q_heads = qn.view<float>(), k_heads = kn.view<float>();
+    // Rows laid out as the projections' (token-major): the fused pass writes each token's heads
+    // contiguously (head-major rows sit 128 KiB apart at gpt2-512 and the pass ran ~2× slower).
+    const int64_t D = head_dim_qk(), Hk = c.num_kv_heads;
+    qn = Tensor(DType::kF32, {Nq, Hq * D});
+    kn = Tensor(DType::kF32, {Nk, Hk * D});
+    q_heads = modules::heads_view(qn.data<float>(), lq, Hq * D, Hq, D);
+    k_heads = modules::heads_view(kn.data<float>(), lk, Hk * D, Hk, D);
   }
   const std::vector<int64_t> q_first(static_cast<size_t>(B), causal == Causal::kBottomRight ? Tk - Tq : 0);
   transform_qk(heads.q, heads.k, q_heads, k_heads, q_first, std::vector<int64_t>(static_cast<size_t>(B), 0),

@@ -127,8 +127,9 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   const modules::QkvHeads heads = modules::qkv_heads(c, data(t.qkv), data(t.kbuf), data(t.vbuf), lq, lk);
   const modules::QkvHeads grad_heads = modules::qkv_heads(c, data(dqkv), data(dk), data(dv), lq, lk);
   AttentionInputs ai;
-  ai.query = t.q_normed.defined() ? t.q_normed.view<float>() : heads.q;
-  ai.key = t.k_normed.defined() ? t.k_normed.view<float>() : heads.k;
+  const int64_t dqk = head_dim_qk(), Hk = c.num_kv_heads;
+  ai.query = t.q_normed.defined() ? modules::heads_view(data(t.q_normed), lq, c.num_heads * dqk, c.num_heads, dqk) : heads.q;
+  ai.key = t.k_normed.defined() ? modules::heads_view(data(t.k_normed), lk, Hk * dqk, Hk, dqk) : heads.k;
   ai.value = heads.v;
   ai.keep_mask = modules::view_or_empty<uint8_t>(t.keep);
   ai.attn_bias = modules::view_or_empty<float>(t.bias);

@@ -118,8 +118,8 @@ struct MhaTape::State {
   Tensor lse;               // (B, Hq, Tq)
   Tensor keep, bias, lengths;
   AttentionOptions options;  // causal, window, dropout of the attention
-  Tensor q_normed, k_normed;  // QK-norm: q and k after it and rotary (B, H, T, D), what attention
-                              // read; the projections (qkv, kbuf) keep them before it
+  Tensor q_normed, k_normed;  // QK-norm: q and k after it and rotary, what attention read, as rows
+                              // like the projections' (heads_view); qkv, kbuf keep them before it
   std::vector<int64_t> q_first;  // rotary: query positions start here per batch (keys at 0)
   uint64_t out_dropout_seed = 0;
   float out_dropout = 0.0f;
