@@ -358,6 +358,47 @@ TEST_P(BackwardTest, SameBitsForOneAndTwoThreads) {
   EXPECT_TRUE(bitwise_equal(a.dv, b.dv));
 }
 
+// (B, T, H, D) storage viewed as (B, H, T, D), the layout of projections: the forward prefetches
+// its rows and the backward copies K and V blocks; neither changes a bit of out or the gradients.
+TEST_P(BackwardTest, TokenMajorViewsGiveTheBitsOfContiguousHeads) {
+  Rng rng(base_seed() + 34);
+  Problem p;
+  p.B = 2;
+  p.Hq = 4;
+  p.Hkv = 2;
+  p.Tq = 130;
+  p.Tk = 150;
+  p.D = 40;
+  p.Dv = 24;
+  p.opt.causal = Causal::kBottomRight;
+  p.make(rng);
+  auto token_major = [](const Tensor& x, Tensor* storage) {  // a (B, H, T, D) copy stored (B, T, H, D)
+    const int64_t B = x.shape()[0], H = x.shape()[1], T = x.shape()[2], D = x.shape()[3];
+    *storage = Tensor(DType::kF32, {B, T, H, D});
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = 0; c < D; ++c)
+            storage->data<float>()[((b * T + t) * H + h) * D + c] = x.data<float>()[((b * H + h) * T + t) * D + c];
+    return View<const float>(storage->data<float>(), {B, H, T, D}, {T * H * D, D, H * D, 1});
+  };
+  Tensor out_a(DType::kF32, {p.B, p.Hq, p.Tq, p.Dv}), lse_a(DType::kF32, {p.B, p.Hq, p.Tq});
+  Tensor out_b(DType::kF32, {p.B, p.Hq, p.Tq, p.Dv}), lse_b(DType::kF32, {p.B, p.Hq, p.Tq});
+  attention(p.in, {out_a.view<float>(), lse_a.view<float>()}, p.opt);
+  const Grads a = run(p, Backend::kFast);
+  Tensor qs, ks, vs;
+  p.in.query = token_major(p.q, &qs);
+  p.in.key = token_major(p.k, &ks);
+  p.in.value = token_major(p.v, &vs);
+  attention(p.in, {out_b.view<float>(), lse_b.view<float>()}, p.opt);
+  const Grads b = run(p, Backend::kFast);
+  EXPECT_TRUE(bitwise_equal(out_a, out_b));
+  EXPECT_TRUE(bitwise_equal(lse_a, lse_b));
+  EXPECT_TRUE(bitwise_equal(a.dq, b.dq));
+  EXPECT_TRUE(bitwise_equal(a.dk, b.dk));
+  EXPECT_TRUE(bitwise_equal(a.dv, b.dv));
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, BackwardTest, ::testing::ValuesIn(kernels::simd_targets()),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 

@@ -24,8 +24,9 @@ class AttentionFunction(torch.autograd.Function):
         weights = None
         if want_weights:
             weights = torch.empty((N, L, S) if average_weights else (N, Hq, L, S), dtype=q.dtype)
-        _mha.attention(q.detach(), k.detach(), v.detach(), out, keep_mask=A.native(keep), attn_bias=A.native(bias),
-                       key_lengths=lengths, lse=lse, weights=weights, scale=scale, causal=causal, window=window,
+        n = A.native
+        _mha.attention(n(q), n(k), n(v), n(out), keep_mask=n(keep), attn_bias=n(bias),
+                       key_lengths=lengths, lse=n(lse), weights=n(weights), scale=scale, causal=causal, window=window,
                        dropout_p=dropout_p, dropout_seed=seed, num_threads=num_threads, backend=backend,
                        softcap=softcap, alibi_slopes=A.native(alibi), sinks=A.native(sinks), sink_tokens=sink_tokens)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -54,12 +55,13 @@ class AttentionFunction(torch.autograd.Function):
         dsinks = None if ctx.sinks is None else torch.empty(ctx.sinks.shape, dtype=torch.float32)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        _mha.attention_backward(q.detach(), k.detach(), v.detach(), out, lse, grad_out.to(q.dtype).contiguous(),
-                                dq, dk, dv,
+        n = A.native
+        _mha.attention_backward(n(q), n(k), n(v), n(out), n(lse), n(grad_out.to(q.dtype).contiguous()),
+                                n(dq), n(dk), n(dv),
                                 keep_mask=A.native(ctx.keep), attn_bias=A.native(ctx.bias), key_lengths=ctx.lengths,
                                 scale=scale, causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
                                 num_threads=num_threads, backend=backend, softcap=softcap,
-                                alibi_slopes=A.native(ctx.alibi), sinks=A.native(ctx.sinks), grad_sinks=dsinks,
+                                alibi_slopes=n(ctx.alibi), sinks=n(ctx.sinks), grad_sinks=n(dsinks),
                                 sink_tokens=sink_tokens)
         return dq, dk, dv, dsinks, None, None, None, None, None
 

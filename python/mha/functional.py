@@ -30,6 +30,8 @@ With torch tensors that require grad (and grad mode on) the call is differentiab
 key and value through mha's backward kernel (mha.autograd).
 """
 
+import math
+
 import numpy as np
 
 from . import _arrays as A
@@ -200,12 +202,75 @@ def _run_forward(p, kind, dropout_p, seed, num_threads, backend, want_lse, want_
     weights = None
     if want_weights:
         weights = A.empty(kind, (p.N, p.L, p.S) if average_weights else (p.N, p.Hq, p.L, p.S), p.dtype)
-    _mha.attention(A.native(p.q), A.native(p.k), A.native(p.v), out, keep_mask=A.native(p.keep),
-                   attn_bias=A.native(p.bias), key_lengths=p.lengths, lse=lse, weights=weights, scale=p.scale,
+    _mha.attention(A.native(p.q), A.native(p.k), A.native(p.v), A.native(out), keep_mask=A.native(p.keep),
+                   attn_bias=A.native(p.bias), key_lengths=p.lengths, lse=A.native(lse),
+                   weights=A.native(weights), scale=p.scale,
                    causal=p.causal, window=p.window, dropout_p=float(dropout_p), dropout_seed=seed,
                    num_threads=num_threads, backend=backend, softcap=p.softcap, alibi_slopes=A.native(p.alibi),
                    sinks=A.native(p.sinks), sink_tokens=p.sink_tokens)
     return out, lse, weights
+
+
+_FAST_BACKENDS = ("auto", "reference", "fast")
+_FAST_NUMPY = (np.dtype(np.float32), np.dtype(np.float16))
+_fast_torch = None  # float32, bfloat16, float16 and bool, float32 (masks) once torch is seen
+
+
+def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align, num_threads, backend):
+    """The common call with only the checks the C++ side does not make itself: rank-4 (B, H, T, E)
+    query, key and value of one kind, dtype and batch size, an optional rank-4 mask that broadcasts
+    by size-1 dimensions (bool, or float32), no extras, no gradient. Decoding makes one call per
+    layer and token, and the general path's Python was most of a small call's time. Returns None
+    for any other call: the general path then decides, errors included."""
+    global _fast_torch
+    torch = A.torch_module()
+    if torch is not None and isinstance(query, torch.Tensor):
+        if _fast_torch is None:
+            _fast_torch = ((torch.float32, torch.bfloat16, torch.float16), (torch.bool, torch.float32))
+        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+            return None
+        if query.dtype not in _fast_torch[0] or not (query.is_cpu and key.is_cpu and value.is_cpu):
+            return None
+        if attn_mask is not None and not (isinstance(attn_mask, torch.Tensor) and attn_mask.is_cpu and
+                                          attn_mask.dtype in _fast_torch[1]):
+            return None
+        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad or
+                                        (attn_mask is not None and attn_mask.requires_grad)):
+            return None
+        new, is_bool = torch.empty, attn_mask is not None and attn_mask.dtype == torch.bool
+    elif type(query) is np.ndarray:
+        if type(key) is not np.ndarray or type(value) is not np.ndarray or query.dtype not in _FAST_NUMPY:
+            return None
+        if attn_mask is not None and not (type(attn_mask) is np.ndarray and
+                                          (attn_mask.dtype == np.bool_ or attn_mask.dtype == np.float32)):
+            return None
+        new, is_bool = np.empty, attn_mask is not None and attn_mask.dtype == np.bool_
+    else:
+        return None
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or key.dtype != query.dtype or value.dtype != query.dtype:
+        return None
+    B, Hq, L, E = query.shape
+    _, Hk, S, Ek = key.shape
+    if key.shape[0] != B or value.shape[0] != B or value.shape[1] != Hk or value.shape[2] != S or Ek != E:
+        return None
+    if Hk != Hq and Hk != 1 and not (enable_gqa and Hk > 0 and Hq % Hk == 0):
+        return None
+    if attn_mask is not None:
+        if attn_mask.ndim != 4 or any(m != 1 and m != t for m, t in zip(attn_mask.shape, (B, Hq, L, S))):
+            return None
+        attn_mask = A.expand(attn_mask, (B, Hq, L, S))
+    if scale is not None and not (type(scale) is float and math.isfinite(scale)):
+        return None
+    if align is None or type(is_causal) is not bool or backend not in _FAST_BACKENDS:
+        return None
+    if type(num_threads) is not int or not 0 <= num_threads <= _mha.MAX_THREADS:
+        return None
+    out = new((B, Hq, L, value.shape[3]), dtype=query.dtype)
+    n = A.native
+    _mha.attention(n(query), n(key), n(value), n(out), keep_mask=n(attn_mask) if is_bool else None,
+                   attn_bias=None if is_bool else n(attn_mask), scale=scale, causal=align if is_causal else 0,
+                   num_threads=num_threads, backend=backend)
+    return out
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -215,6 +280,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  sink_tokens=0):
     """See the module docstring. Returns out, or a tuple (out, [lse], [weights]) with the extras
     asked for: lse (..., Hq, L), weights (..., Hq, L, S) or averaged over heads (..., L, S)."""
+    if (dropout_p == 0.0 and key_lengths is None and window == 0 and not return_lse and not return_weights
+            and softcap == 0.0 and alibi_slopes is None and sinks is None and sink_tokens == 0
+            and type(dropout_p) is float and type(window) is int and type(softcap) is float):
+        out = _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, _ALIGN.get(causal_alignment),
+                         num_threads, backend)
+        if out is not None:
+            return out
     kind = A.kind_of(query, key, value, attn_mask)
     name = "scaled_dot_product_attention"
     dropout_p = A.check_number(dropout_p, f"{name}: dropout_p", 0.0, 1.0)

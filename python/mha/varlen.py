@@ -68,7 +68,7 @@ class _VarlenFunction:
                     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
                     _mha.varlen_attention(q.detach(), k.detach(), v.detach(), cu_q, cu_k, out, lse, scale=scale,
                                           causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
-                                          num_threads=num_threads, softcap=softcap, alibi_slopes=alibi)
+                                          num_threads=num_threads, softcap=softcap, alibi_slopes=A.native(alibi))
                     ctx.save_for_backward(q, k, v, out, lse)
                     ctx.cu, ctx.params = (cu_q, cu_k), params
                     ctx.mark_non_differentiable(lse)
@@ -87,7 +87,7 @@ class _VarlenFunction:
                                                    grad_out.to(q.dtype).contiguous(), dq, dk, dv, scale=scale,
                                                    causal=causal, window=window, dropout_p=dropout_p,
                                                    dropout_seed=seed, num_threads=num_threads, softcap=softcap,
-                                                   alibi_slopes=alibi)
+                                                   alibi_slopes=A.native(alibi))
                     return dq, dk, dv, None, None, None
 
             cls.cls = VarlenFunction
@@ -114,7 +114,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if A.is_torch(alibi_slopes) and alibi_slopes.requires_grad and A.torch_module().is_grad_enabled():
             raise Error(f"{_NAME}: mha does not compute gradients with respect to alibi_slopes; pass "
                         "alibi_slopes.detach()")
-        alibi_slopes = A.native(A.to_float32(alibi_slopes))
+        alibi_slopes = A.to_float32(alibi_slopes)  # A.native at each call: a DLPack capsule is used once
     dropout_p = A.check_number(dropout_p, f"{_NAME}: dropout_p", 0.0, 1.0)
     num_threads = A.check_int(num_threads, f"{_NAME}: num_threads", 0, _mha.MAX_THREADS)
     scale = None if softmax_scale is None else A.check_number(softmax_scale, f"{_NAME}: softmax_scale")
@@ -141,5 +141,5 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         lse = A.empty(kind, (q.shape[1], q.shape[0]))
         _mha.varlen_attention(A.native(q), A.native(k), A.native(v), cu_q, cu_k, out, lse, scale=scale,
                               causal=causal_code, window=window, dropout_p=float(dropout_p), dropout_seed=seed,
-                              num_threads=num_threads, softcap=softcap, alibi_slopes=alibi_slopes)
+                              num_threads=num_threads, softcap=softcap, alibi_slopes=A.native(alibi_slopes))
     return (out, lse, None) if return_attn_probs else out

@@ -192,3 +192,33 @@ def test_errors_name_the_argument(rng, bad, message):
         mha.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=bad.get("dropout_p", 0.0),
                                          is_causal=True, causal_alignment=bad.get("align", "top-left"))
     assert issubclass(mha.Error, ValueError)
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+def test_the_small_call_path_agrees_with_the_general_one(rng, monkeypatch, kind, mask):
+    """Rank-4 calls without extras skip the Python argument handling (functional._fast_call):
+    the same bits as the general path (forced here by return_lse), and really taken."""
+    from mha import functional
+    q, k, v = normal(rng, (2, 6, 9, 8)), normal(rng, (2, 3, 11, 8)), normal(rng, (2, 3, 11, 5))
+    m = None
+    if mask == "bool":
+        m = rng.random((2, 1, 9, 11)) < 0.7
+    elif mask == "float":
+        m = normal(rng, (1, 6, 1, 11))
+    args = [q, k, v, m]
+    if kind == "torch":
+        args = [None if a is None else torch.from_numpy(a) for a in args]
+    general = mha.scaled_dot_product_attention(*args[:3], attn_mask=args[3], is_causal=True, enable_gqa=True,
+                                               scale=0.4, return_lse=True)[0]
+
+    def refuse(*a, **k):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(functional, "_prepare", refuse)
+    fast = mha.scaled_dot_product_attention(*args[:3], attn_mask=args[3], is_causal=True, enable_gqa=True,
+                                            scale=0.4)
+    assert type(fast) is type(general)
+    np.testing.assert_array_equal(np.asarray(fast), np.asarray(general))
+    with pytest.raises(AssertionError, match="general path"):  # grouped heads without enable_gqa: its error
+        mha.scaled_dot_product_attention(*args[:3])

@@ -13,6 +13,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
 #include "util/convert-inl.h"
@@ -208,6 +209,21 @@ inline void StageRows(const T* base, int64_t rs, int64_t es, int64_t first, int6
                       float* dst) {
   for (int64_t x = 0; x < n; ++x) {
     RowToFloat(base + std::min(first + x, last) * rs, es, static_cast<size_t>(width), dst + x * width);
+  }
+}
+
+// Rows first .. first + n of a matrix of row stride rs (elements of T, width per row; rows past
+// last repeat it) prefetched into the cache, line by line. For rows that are not adjacent —
+// (B, T, H, D) tensors viewed as (B, H, T, D), the projections' layout — which the hardware
+// prefetcher does not follow (it runs ahead within a 4 KiB page, and such rows sit H·D or more
+// elements apart): each row was a demand miss, and a float32 forward over them ran ~1.7x slower
+// than over contiguous heads.
+template <typename T>
+HWY_INLINE void PrefetchRows(const T* base, int64_t rs, int64_t first, int64_t n, int64_t last, int64_t width) {
+  const size_t bytes = static_cast<size_t>(width) * sizeof(T);
+  for (int64_t x = 0; x < n; ++x) {
+    const char* row = reinterpret_cast<const char*>(base + std::min(first + x, last) * rs);
+    for (size_t b = 0; b < bytes; b += 64) hwy::Prefetch(row + b);
   }
 }
 

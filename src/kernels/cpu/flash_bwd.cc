@@ -137,7 +137,12 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   float* lse = ws.get<float>(Workspace::kBwdLse, static_cast<size_t>(G * Tq));
   float* drow = ws.get<float>(Workspace::kBwdRowDot, static_cast<size_t>(G * Tq));
   float* rowvec = ws.get<float>(Workspace::kBwdRowStats, 2 * mmax);  // per q block: lse and D of its rows
-  float* vstage = kWide ? nullptr : ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1));
+  // K and V blocks are read once per query block: from a float32 copy (kblk, vstage) when they
+  // are 16-bit or their rows are not adjacent ((B, T, H, D) layouts: every row on its own page, a
+  // TLB miss per row and query block; ~10% of the backward's time at T = 2048).
+  const bool stage_k = !kWide || p.k_stride[3] != 1 || p.k_stride[2] != p.head_dim_qk;
+  const bool stage_v = !kWide || p.v_stride[3] != 1 || p.v_stride[2] != p.head_dim_v;
+  float* vstage = stage_v ? ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1)) : nullptr;
   float* qstage = kWide ? nullptr : ws.get<float>(Workspace::kQueryStage, mmax * D);
   float* capgrad = p.softcap > 0 ? ws.get<float>(Workspace::kBwdSoftcapGrad, kKeyBlock * mmax) : nullptr;
   float* dostage = kWide ? nullptr : ws.get<float>(Workspace::kBwdGradOutStage, mmax * std::max<size_t>(Dv, 1));
@@ -177,7 +182,7 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       RowToFloat(kbase + (jb + static_cast<int64_t>(j)) * p.k_stride[2], p.k_stride[3], D, kr);
       std::fill(kr + D, kr + Dp, 0.0f);
     }
-    if constexpr (!kWide) {  // V rows of the block, widened (K's are in kblk)
+    if (stage_v) {  // V rows of the block as float32 rows of Dv (K's are in kblk)
       StageRows(vbase + jb * p.v_stride[2], p.v_stride[2], p.v_stride[3], 0, static_cast<int64_t>(nk),
                 static_cast<int64_t>(nk) - 1, p.head_dim_v, vstage);
     }
@@ -203,22 +208,18 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
 
       // S and P, exactly as the forward's weights pass.
       const int64_t kb = k.a - jb;  // the block's first key in kblk / vstage
-      if constexpr (!kWide) {
+      if (stage_k) {
         ScoresBlock<true>(d, qt, M, t.nvec, kblk, static_cast<int64_t>(Dp), 1, kb, k.n, static_cast<int64_t>(nk), D, st);
-      } else if (p.k_stride[3] == 1) {
+      } else if constexpr (kWide) {  // contiguous float32 rows, read in place
         ScoresBlock<true>(d, qt, M, t.nvec, kbase, p.k_stride[2], 1, k.a, k.n, p.kv_len, D, st);
-      } else {
-        ScoresBlock<false>(d, qt, M, t.nvec, kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len, D, st);
       }
       if (p.softcap > 0) SoftcapBlock(d, p.softcap, k.n, M, st, capgrad);
       if (NeedsMask(p, k)) MaskBlock(d, p, t, k, st);
       // dP = V · dOᵀ for the same keys (rows of V past Tk read the last row; their P is 0).
-      if constexpr (!kWide) {
+      if (stage_v) {
         ScoresBlock<true>(d, dot, M, t.nvec, vstage, p.head_dim_v, 1, kb, k.n, static_cast<int64_t>(nk), Dv, dpt);
-      } else if (p.v_stride[3] == 1) {
+      } else if constexpr (kWide) {
         ScoresBlock<true>(d, dot, M, t.nvec, vbase, p.v_stride[2], 1, k.a, k.n, p.kv_len, Dv, dpt);
-      } else {
-        ScoresBlock<false>(d, dot, M, t.nvec, vbase, p.v_stride[2], p.v_stride[3], k.a, k.n, p.kv_len, Dv, dpt);
       }
       for (int64_t j = 0; j < k.n; ++j)
         for (size_t rv = 0; rv < t.nvec; ++rv) {

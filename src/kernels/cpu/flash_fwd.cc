@@ -171,9 +171,21 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
     blocks_since_spill = 0;
   };
 
+  // Rows of K and V that are not adjacent in memory are prefetched: this block's V (read after
+  // the softmax) and the next block's K.
+  const bool prefetch_k = k_unit && p.k_stride[2] != p.head_dim_qk, prefetch_v = v_unit && p.v_stride[2] != p.head_dim_v;
+  if (prefetch_k && t.keys.lo < t.keys.hi) {
+    const int64_t j0 = t.keys.lo / kKeyBlock * kKeyBlock;
+    PrefetchRows(kbase, p.k_stride[2], j0, std::min(kKeyBlock, t.keys.hi - j0), p.kv_len - 1, p.head_dim_qk);
+  }
   for (int64_t jb = t.keys.lo / kKeyBlock * kKeyBlock; jb < t.keys.hi; jb += kKeyBlock) {
     const KeyBlock k = MakeBlock(p, t, jb);
     if (k.kind == BlockKind::kSkip) continue;
+    if (prefetch_v) PrefetchRows(vbase, p.v_stride[2], k.a, k.nv, p.kv_len - 1, p.head_dim_v);
+    if (prefetch_k && jb + kKeyBlock < t.keys.hi) {
+      PrefetchRows(kbase, p.k_stride[2], jb + kKeyBlock, std::min(kKeyBlock, t.keys.hi - jb - kKeyBlock),
+                   p.kv_len - 1, p.head_dim_qk);
+    }
     if constexpr (!kWide) {
       StageRows(kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len - 1, p.head_dim_qk, kstage);
       ScoresBlock<true>(d, qt, M, t.nvec, kstage, p.head_dim_qk, 1, 0, k.n, k.n, D, st);
