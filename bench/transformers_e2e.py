@@ -8,10 +8,14 @@ same model, same weights, same inputs, one process, 2 threads (torch's and mha's
 - A BERT-base encoder (hidden 768, 12 layers, 12 heads, MLP 3072): sequences/s at 128 and 512
   tokens, batch 8.
 In float32 and bfloat16 (the model cast with .to(dtype)). Random weights, no downloads. Each cell
-is the fastest of --repeats runs (neighbours on a shared machine only ever add time); "eager"
-skips 8192 tokens (its T x T weights per layer take minutes there).
+is the fastest of --repeats runs, the implementations taking turns within each repeat (neighbours
+on a shared machine only ever add time); "eager" skips 8192 tokens (its T x T weights per layer
+take minutes there).
 
-  python bench/transformers_e2e.py [--repeats 2] [--dtypes float32 bfloat16] [--json out.json]
+And the fixed cost of one call (measured first): mha.scaled_dot_product_attention on tiny inputs (numpy and torch)
+against torch's SDPA, µs per call.
+
+  python bench/transformers_e2e.py [--repeats 2] [--dtypes float32 bfloat16] [--json out.json] [--calls-only]
 """
 import argparse
 import json
@@ -40,13 +44,17 @@ def bert(dtype):
     return BertModel(config).eval().to(dtype)
 
 
-def best(fn, repeats):
-    times = []
+def interleaved(model, impls, fn, repeats):
+    """{impl: the fastest of `repeats` timings of fn()}, the implementations taking turns within
+    each repeat (drift on a shared machine hits them alike rather than whichever ran last)."""
+    times = {impl: float("inf") for impl in impls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            start = time.perf_counter()
+            fn()
+            times[impl] = min(times[impl], time.perf_counter() - start)
+    return times
 
 
 def run(dtypes, repeats):
@@ -55,46 +63,84 @@ def run(dtypes, repeats):
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         model = llama(dtype)
-        params = sum(p.numel() for p in model.parameters())
+        name = f"llama {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M"
         for T in (512, 2048, 8192):
             ids = torch.randint(3, 32000, (1, T), generator=g)
-            for impl in IMPLS:
-                if impl == "eager" and T > 2048:
-                    continue
-                model.set_attn_implementation(impl)
-                with torch.no_grad():
-                    model(input_ids=ids[:, :64], use_cache=False)  # warm-up
-                    s = best(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), repeats)
-                rows.append(dict(model=f"llama {params / 1e6:.0f}M", dtype=dtype_name, case=f"prefill {T}", impl=impl,
-                                 seconds=s, rate=T / s, unit="tokens/s"))
+            impls = [i for i in IMPLS if i != "eager" or T <= 2048]
+            with torch.no_grad():
+                for impl in impls:  # warm-up
+                    model.set_attn_implementation(impl)
+                    model(input_ids=ids[:, :64], use_cache=False)
+                times = interleaved(model, impls, lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1),
+                                    repeats)
+            for impl in impls:
+                rows.append(dict(model=name, dtype=dtype_name, case=f"prefill {T}", impl=impl, seconds=times[impl],
+                                 rate=T / times[impl], unit="tokens/s"))
                 print(rows[-1], flush=True)
         prompt = torch.randint(3, 32000, (1, 512), generator=g)
+
+        def generate(n):
+            with torch.no_grad():
+                model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+
         for impl in IMPLS:
             model.set_attn_implementation(impl)
-
-            def generate(n):
-                with torch.no_grad():
-                    model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                                   min_new_tokens=n, do_sample=False, pad_token_id=0)
-
             generate(2)  # warm-up
-            s = best(lambda: generate(256), repeats) - best(lambda: generate(1), repeats)
-            rows.append(dict(model=f"llama {params / 1e6:.0f}M", dtype=dtype_name, case="decode 256 after 512",
-                             impl=impl, seconds=s, rate=255 / s, unit="tokens/s"))
+        long = interleaved(model, IMPLS, lambda: generate(256), repeats)
+        short = interleaved(model, IMPLS, lambda: generate(1), repeats)
+        for impl in IMPLS:
+            s = long[impl] - short[impl]
+            rows.append(dict(model=name, dtype=dtype_name, case="decode 256 after 512", impl=impl, seconds=s,
+                             rate=255 / s, unit="tokens/s"))
             print(rows[-1], flush=True)
         del model
         model = bert(dtype)
         for T in (128, 512):
             ids = torch.randint(1000, 30000, (8, T), generator=g)
-            for impl in IMPLS:
-                model.set_attn_implementation(impl)
-                with torch.no_grad():
+            with torch.no_grad():
+                for impl in IMPLS:
+                    model.set_attn_implementation(impl)
                     model(input_ids=ids[:1])
-                    s = best(lambda: model(input_ids=ids), repeats)
-                rows.append(dict(model="bert-base", dtype=dtype_name, case=f"batch 8 x {T}", impl=impl, seconds=s,
-                                 rate=8 / s, unit="sequences/s"))
+                times = interleaved(model, IMPLS, lambda: model(input_ids=ids), repeats)
+            for impl in IMPLS:
+                rows.append(dict(model="bert-base", dtype=dtype_name, case=f"batch 8 x {T}", impl=impl,
+                                 seconds=times[impl], rate=8 / times[impl], unit="sequences/s"))
                 print(rows[-1], flush=True)
         del model
+    return rows
+
+
+def call_overhead():
+    """µs per mha.scaled_dot_product_attention call on tiny inputs (the fixed cost decoding pays
+    once per layer and token), numpy and torch, against torch's SDPA: the best of 5 runs of 5000."""
+    import numpy as np
+
+    import mha
+
+    def per_call(fn, n=5000):
+        for _ in range(500):
+            fn()
+        best_s = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best_s = min(best_s, (time.perf_counter() - start) / n)
+        return best_s * 1e6
+
+    rows = []
+    for heads, keys, dim in ((1, 4, 8), (32, 16, 64)):
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, heads, 1, dim, generator=g)
+        k = torch.randn(1, heads, keys, dim, generator=g)
+        v = torch.randn(1, heads, keys, dim, generator=g)
+        qn, kn, vn = (x.numpy() for x in (q, k, v))
+        cells = {"mha numpy": per_call(lambda: mha.scaled_dot_product_attention(qn, kn, vn)),
+                 "mha torch": per_call(lambda: mha.scaled_dot_product_attention(q, k, v)),
+                 "torch sdpa": per_call(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))}
+        rows.append((f"(1, {heads}, 1, {dim}) over {keys} keys", cells))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -118,10 +164,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--json")
+    ap.add_argument("--calls-only", action="store_true", help="only the per-call overhead table")
     a = ap.parse_args()
     torch.set_num_threads(THREADS)
-    rows = run(a.dtypes, a.repeats)
-    print(table(rows))
+    calls = call_overhead()
+    rows = run(a.dtypes, a.repeats) if not a.calls_only else []
+    print("| call | mha numpy | mha torch | torch sdpa |\n|---|---|---|---|")
+    for name, c in calls:
+        print(f"| {name} | {c['mha numpy']:.1f} µs | {c['mha torch']:.1f} µs | {c['torch sdpa']:.1f} µs |")
+    if rows:
+        print(table(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

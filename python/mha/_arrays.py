@@ -101,7 +101,8 @@ def native(x):
     if x is None:
         return None
     if is_torch(x):
-        x = x.detach()
+        if x.requires_grad:
+            x = x.detach()
         torch = torch_module()
         # A DLPack capsule made in C: Tensor.__dlpack__ is Python code (~3.4 µs a tensor on the
         # project machine, against 0.3 µs), a quarter of a small call's cost. The capsule owns a

@@ -110,19 +110,22 @@ kernels::AttentionParams make_attention_params(const BasicAttentionInputs<T>& in
   check_rank(q.rank, 4, q.shape.data(), "query", "(B, Hq, Tq, Dqk)");
   check_rank(k.rank, 4, k.shape.data(), "key", "(B, Hkv, Tk, Dqk)");
   check_rank(v.rank, 4, v.shape.data(), "value", "(B, Hkv, Tk, Dv)");
-  const std::string shapes = fmt::format("(query {}, key {}, value {})", shape_string(q),
-                                         shape_string(k), shape_string(v));
+  // Formatted only when a check fails (MHA_CHECK evaluates its message lazily): a small call
+  // spent ~5% of its time formatting this.
+  const auto shapes = [&] {
+    return fmt::format("(query {}, key {}, value {})", shape_string(q), shape_string(k), shape_string(v));
+  };
   MHA_CHECK(k.shape[0] == q.shape[0] && v.shape[0] == q.shape[0],
-            "attention: query, key and value must have the same batch size {}", shapes);
+            "attention: query, key and value must have the same batch size {}", shapes());
   MHA_CHECK(k.shape[1] == v.shape[1], "attention: key and value must have the same number of heads {}",
-            shapes);
-  MHA_CHECK(k.shape[2] == v.shape[2], "attention: key and value must have the same length {}", shapes);
-  MHA_CHECK(k.shape[3] == q.shape[3], "attention: query and key must have the same head dim {}", shapes);
-  MHA_CHECK(q.shape[3] >= 1, "attention: the query/key head dim must be at least 1 {}", shapes);
-  MHA_CHECK(k.shape[1] >= 1, "attention: key and value need at least one head {}", shapes);
+            shapes());
+  MHA_CHECK(k.shape[2] == v.shape[2], "attention: key and value must have the same length {}", shapes());
+  MHA_CHECK(k.shape[3] == q.shape[3], "attention: query and key must have the same head dim {}", shapes());
+  MHA_CHECK(q.shape[3] >= 1, "attention: the query/key head dim must be at least 1 {}", shapes());
+  MHA_CHECK(k.shape[1] >= 1, "attention: key and value need at least one head {}", shapes());
   MHA_CHECK(q.shape[1] % k.shape[1] == 0,
             "attention: key has {} heads, which does not divide query's {} heads {}", k.shape[1],
-            q.shape[1], shapes);
+            q.shape[1], shapes());
   check_data(q, "query");
   check_data(k, "key");
   check_data(v, "value");

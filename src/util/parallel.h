@@ -31,7 +31,8 @@ inline void check_num_threads(int requested, const char* who) {
 inline int resolve_threads(int requested) {
   check_num_threads(requested, "");
   const int available = omp_get_max_threads();
-  return std::min(requested > 0 ? requested : available, std::max(4 * omp_get_num_procs(), available));
+  static const int procs = omp_get_num_procs();  // a sched_getaffinity system call each time
+  return std::min(requested > 0 ? requested : available, std::max(4 * procs, available));
 }
 
 // Runs f(t) for t in [0, n) on up to num_threads threads, tasks handed out one at a time in

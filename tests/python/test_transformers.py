@@ -228,10 +228,11 @@ def test_attention_weights_when_asked_for():
         torch.testing.assert_close(a[rows], b[rows], rtol=1e-5, atol=1e-6)
 
 
-def test_bfloat16_model_within_twice_sdpas_error():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_within_twice_sdpas_error(dtype):
     ids, mask = _inputs()
     ref = _reference("llama", ids, mask)
-    err = {impl: (_output(_model("llama", impl, torch.bfloat16), ids, mask) - ref).abs().max().item()
+    err = {impl: (_output(_model("llama", impl, dtype), ids, mask) - ref).abs().max().item()
            for impl in ("sdpa", "mha")}
     assert err["mha"] <= 2 * err["sdpa"] + 1e-3, err
 
