@@ -2,8 +2,12 @@
 // rotary embeddings and QK-norm inside the module (see suite.h).
 #include <fmt/format.h>
 
+#include <time.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <vector>
 
 #include "bench/suite.h"
@@ -11,6 +15,39 @@
 #include "mha/multi_head_attention.h"
 
 namespace mha::bench {
+namespace {
+
+// Per call of f, the medians over calls for `seconds`: wall seconds, and the process's CPU
+// seconds (all threads). CPU time leaves out what the hypervisor's neighbours take (steal): on
+// the shared project VM, wall-clock ratios of equal work moved by ±11% between runs (a sinks
+// forward — plain work plus one fold per row — read 89% of plain), so the ratios use CPU time.
+struct CallTime {
+  double wall, cpu;
+};
+
+CallTime time_call(const std::function<void()>& f, double seconds) {
+  auto cpu_now = [] {
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  };
+  f();  // warm-up
+  std::vector<double> wall, cpu;
+  double total = 0;
+  while (total < seconds || wall.size() < 3) {
+    const double c0 = cpu_now();
+    const auto w0 = std::chrono::steady_clock::now();
+    f();
+    wall.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count());
+    cpu.push_back(cpu_now() - c0);
+    total += wall.back();
+  }
+  std::sort(wall.begin(), wall.end());
+  std::sort(cpu.begin(), cpu.end());
+  return {wall[wall.size() / 2], cpu[cpu.size() / 2]};
+}
+
+}  // namespace
 
 void run_variants(const Options& o) {
   struct Variant {
@@ -40,17 +77,22 @@ void run_variants(const Options& o) {
              o.threads, B, Hq, Hkv, T, D, L);
   fmt::print("{:<12} {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>11} {:>8}\n", "", "fwd ms", "GFLOP/s", "% plain",
              "bwd ms", "GFLOP/s", "% plain", "decode µs", "% plain");
-  // Timings on a shared VM drift by 10-40% within minutes, and neighbours only ever add time:
-  // every variant is measured right after plain in each of eleven rounds, and reported are the
-  // fastest round's time of each and the ratio of those minima (the median of per-round ratios
-  // still moved by ±8% between runs: a sinks forward, the same kernel plus one fold per row,
-  // read 89% in one run).
+  // Timings on a shared VM drift by 10-40% within minutes: every variant is measured right after
+  // plain in each of eleven rounds; reported are the fastest round's wall time of each and the
+  // ratio of their fastest rounds' CPU time (time_call).
   constexpr int kRounds = 11;
   constexpr size_t kVariants = sizeof(variants) / sizeof(variants[0]);
-  std::vector<double> times[kVariants][3];
-  auto best = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
-  auto ratio = [&](const std::vector<double>& base, const std::vector<double>& x) {  // best of base / best of x
-    return best(base) / best(x);
+  std::vector<CallTime> times[kVariants][3];
+  auto best = [](const std::vector<CallTime>& v) {  // the fastest round's wall time
+    double x = v[0].wall;
+    for (const CallTime& t : v) x = std::min(x, t.wall);
+    return x;
+  };
+  auto ratio = [](const std::vector<CallTime>& base, const std::vector<CallTime>& v) {  // of CPU time
+    double a = base[0].cpu, b = v[0].cpu;
+    for (const CallTime& t : base) a = std::min(a, t.cpu);
+    for (const CallTime& t : v) b = std::min(b, t.cpu);
+    return a / b;
   };
   for (int round = 0; round < kRounds; ++round) {
   for (size_t vi = 0; vi < kVariants; ++vi) {
@@ -62,15 +104,15 @@ void run_variants(const Options& o) {
     AttentionInputs in{q.view<float>(), k.view<float>(), v.view<float>()};
     if (var.alibi) in.alibi_slopes = slopes.view<float>();
     if (var.sinks) in.sinks = sinks.view<float>();
-    const double f = time_calls([&] { attention(in, {out.view<float>(), lse.view<float>()}, opt); }, o.seconds);
+    const CallTime f = time_call([&] { attention(in, {out.view<float>(), lse.view<float>()}, opt); }, o.seconds);
     const AttentionInputGrads g{dq.view<float>(), dk.view<float>(), dv.view<float>(),
                                 var.sinks ? dsinks.view<float>() : View<float>()};
-    const double b = time_calls(
+    const CallTime b = time_call(
         [&] { attention_backward(in, out.view<float>(), lse.view<float>(), dout.view<float>(), g, opt); }, o.seconds);
     AttentionInputs dec{q1.view<float>(), kc.view<float>(), vc.view<float>()};
     dec.alibi_slopes = in.alibi_slopes;
     dec.sinks = in.sinks;
-    const double d = time_calls([&] { attention(dec, {out1.view<float>()}, opt); }, o.seconds);
+    const CallTime d = time_call([&] { attention(dec, {out1.view<float>()}, opt); }, o.seconds);
     times[vi][0].push_back(f);
     times[vi][1].push_back(b);
     times[vi][2].push_back(d);
@@ -85,7 +127,7 @@ void run_variants(const Options& o) {
   const ModuleVariant module_variants[] = {{"plain", false, false}, {"rotary", true, false}, {"rotary + qk-norm", true, true}};
   const int64_t MB = 4, MT = 512, ME = 768;
   const Tensor mx = filled({MB, MT, ME}, 1.0f), mr = filled({MB, MT, ME}, 1.0f);
-  std::vector<double> mtimes[3][2];
+  std::vector<CallTime> mtimes[3][2];
   for (int round = 0; round < kRounds; ++round) {
     for (size_t vi = 0; vi < 3; ++vi) {
       MultiHeadAttentionConfig config;
@@ -99,10 +141,10 @@ void run_variants(const Options& o) {
       options.num_threads = o.threads;
       MhaInputs in;
       in.query = mx.view<float>();
-      const double f = time_calls([&] { m.forward(in, options); }, o.seconds);
+      const CallTime f = time_call([&] { m.forward(in, options); }, o.seconds);
       options.training = true;
       MhaParamGrads grads = m.make_grads();
-      const double t = time_calls(
+      const CallTime t = time_call(
           [&] {
             MhaTape tape;
             m.forward(in, options, &tape);
