@@ -1,4 +1,4 @@
-"""The README's Python example runs, and the README shows it verbatim."""
+"""The README's Python examples run, and the README shows them verbatim."""
 import os
 import subprocess
 import sys
@@ -6,14 +6,19 @@ import sys
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def test_python_example_runs_and_is_in_the_readme():
-    path = os.path.join(ROOT, "examples", "python_usage.py")
+def _run_readme_example(name):
+    """Runs examples/<name> after checking README.md contains it verbatim; its stdout lines."""
+    path = os.path.join(ROOT, "examples", name)
     with open(path) as f:
         example = f.read()
     with open(os.path.join(ROOT, "README.md")) as f:
-        assert example in f.read(), "README.md must contain examples/python_usage.py verbatim"
+        assert example in f.read(), f"README.md must contain examples/{name} verbatim"
     result = subprocess.run([sys.executable, path], check=True, capture_output=True, text=True)
-    lines = result.stdout.splitlines()
+    return result.stdout.splitlines()
+
+
+def test_python_example_runs_and_is_in_the_readme():
+    lines = _run_readme_example("python_usage.py")
     assert float(lines[0].split(":")[1]) < 1e-5
     assert float(lines[1].split(":")[1]) < 1e-4
     assert lines[2] == "ndarray"
@@ -21,12 +26,6 @@ def test_python_example_runs_and_is_in_the_readme():
 
 
 def test_transformers_example_runs_and_is_in_the_readme():
-    path = os.path.join(ROOT, "examples", "transformers_usage.py")
-    with open(path) as f:
-        example = f.read()
-    with open(os.path.join(ROOT, "README.md")) as f:
-        assert example in f.read(), "README.md must contain examples/transformers_usage.py verbatim"
-    result = subprocess.run([sys.executable, path], check=True, capture_output=True, text=True)
-    lines = result.stdout.splitlines()
+    lines = _run_readme_example("transformers_usage.py")
     assert lines[0] == "generated: (2, 32)"
     assert float(lines[1].split(":")[1]) < 1e-4
