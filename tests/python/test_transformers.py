@@ -278,3 +278,15 @@ def test_softcap_fallback_keeps_the_mask():
     with pytest.warns(UserWarning, match="float64"):
         got = _output(_model("gemma2", "mha", torch.float64), ids, mask)
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_fallback_without_an_eager_formula_is_an_error():
+    """softcap or sinks that mha cannot run (float64 here) need the model's eager formula: a
+    module defined where there is none gets an error, not sdpa silently without them."""
+    class Attention(torch.nn.Module):
+        is_causal = True
+
+    q = torch.zeros(1, 2, 3, 4, dtype=torch.float64)
+    mt._warned.clear()
+    with pytest.warns(UserWarning, match="float64"), pytest.raises(ValueError, match="no eager_attention_forward"):
+        mt.attention_forward(Attention(), q, q, q, None, softcap=5.0)

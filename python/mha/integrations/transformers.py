@@ -65,7 +65,10 @@ def _fallback(reason, module, query, key, value, attention_mask, dropout, scalin
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         # sdpa refuses both: the model's own eager formula, which wants an additive mask always.
         import importlib
-        eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward")
+        eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
+        if eager is None:  # sdpa would ignore s_aux silently or refuse softcap: say why instead
+            raise ValueError(f"mha: {reason}, and {type(module).__module__} has no eager_attention_forward to run "
+                             "softcap or sinks instead")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         return eager(module, query, key, value, _additive_mask(attention_mask, query, key, causal),
                      dropout=dropout, scaling=scaling, **kwargs)
