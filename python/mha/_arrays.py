@@ -87,7 +87,8 @@ def to_float32(x):
 _dlpack = None
 
 
-def _to_dlpack(torch):
+def to_dlpack_of(torch):
+    """torch.utils.dlpack.to_dlpack: a tensor as a DLPack capsule, made in C."""
     global _dlpack
     if _dlpack is None:
         import torch.utils.dlpack  # noqa: F401  (torch is imported already: a tensor exists)
@@ -107,7 +108,7 @@ def native(x):
         # A DLPack capsule made in C: Tensor.__dlpack__ is Python code (~3.4 µs a tensor on the
         # project machine, against 0.3 µs), a quarter of a small call's cost. The capsule owns a
         # reference to the tensor until the extension is done with it.
-        to_dlpack = _to_dlpack(torch)
+        to_dlpack = to_dlpack_of(torch)
         if x.dtype == torch.bool:
             try:
                 return to_dlpack(x)
@@ -115,6 +116,8 @@ def native(x):
                 # Older torch cannot export bool: a byte copy (full size for a broadcast mask).
                 x = x.to(torch.uint8)
         return to_dlpack(x)
+    if x.flags.c_contiguous and x.dtype.isnative:  # the common case, without looking at strides
+        return x
     if any(s < 0 or s % x.itemsize for s in x.strides) or not x.dtype.isnative:
         # Negative strides, or byte strides that are not whole elements (views into packed bytes):
         # the extension counts strides in elements, so such an array travels as a copy.
