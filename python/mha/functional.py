@@ -239,7 +239,8 @@ def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align
             return None
         new, is_bool = torch.empty, attn_mask is not None and attn_mask.dtype == torch.bool
     elif type(query) is np.ndarray:
-        if type(key) is not np.ndarray or type(value) is not np.ndarray or query.dtype.char not in _FAST_NUMPY:
+        if (type(key) is not np.ndarray or type(value) is not np.ndarray or query.dtype.char not in _FAST_NUMPY
+                or not query.dtype.isnative):  # a byte-swapped float32 is the general path's error
             return None
         if attn_mask is not None and not (type(attn_mask) is np.ndarray and
                                           (attn_mask.dtype == np.bool_ or attn_mask.dtype == np.float32)):

@@ -130,6 +130,17 @@ def test_numpy_strides_that_are_not_whole_elements():
                                   mha.scaled_dot_product_attention(c, c, c))
 
 
+def test_byte_swapped_floats_are_refused():
+    """Big-endian float32 (from a file, say) is an error on the rank-4 small-call path too: never
+    read as little-endian."""
+    be = np.ones((1, 2, 3, 4), dtype=">f4")
+    with pytest.raises(mha.Error, match=">f4"):
+        mha.scaled_dot_product_attention(be, be, be)
+    ok = np.ones((1, 2, 3, 4), dtype=np.float32)
+    with pytest.raises(mha.Error, match=">f4"):
+        mha.scaled_dot_product_attention(ok, be, be)
+
+
 def test_integer_weights_are_refused_not_dropped():
     tm = torch.nn.MultiheadAttention(8, 2)
     sd = {k: v.clone() for k, v in tm.state_dict().items()}
