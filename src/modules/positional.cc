@@ -167,16 +167,14 @@ void transform_qk(const RotaryFreqs& f, float eps, const HeadTransform& q, const
 namespace {
 
 // One row of RMSNorm's backward: x̂ = x·inv, y = x̂·w; with u = g·w: dx = inv·(u − x̂·mean(u·x̂))
-// into g, and acc += g·x̂ (dw). kUnit: unit strides, then the sums run in 8 interleaved lanes
-// (as mean_square) so the compiler vectorises the row; a single float sum is a serial chain
-// and the backward ran at ~2.6 ns per element.
-template <int kUnit>
-void norm_backward_row(const float* xr, const float* w, float inv, int64_t D, float* gr, float* acc, int64_t xe = 1,
-                       int64_t ge = 1) {
-  if (kUnit) xe = ge = 1;
+// into g, and acc += g·x̂ (dw). The sums run in 8 interleaved lanes (as mean_square), and unit
+// strides take a loop of their own, so the compiler vectorises the row (a single float sum is a
+// serial chain: the backward ran at ~2.6 ns per element). Both loops add in the same order.
+void norm_backward_row(const float* xr, int64_t xe, const float* w, float inv, int64_t D, float* gr, int64_t ge,
+                       float* acc) {
   float lanes[8] = {};
   int64_t d = 0;
-  if (kUnit) {
+  if (xe == 1 && ge == 1) {
     for (; d + 8 <= D; d += 8) {
       for (int l = 0; l < 8; ++l) {
         const float xh = xr[d + l] * inv;
@@ -217,11 +215,7 @@ void rms_norm_backward(const View<const float>& x, const float* w, float eps, co
         const float* xr = x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
         float* gr = g.data + b * g.stride[0] + h * g.stride[1] + t * g.stride[2];
         const float inv = static_cast<float>(1.0 / std::sqrt(mean_square(xr, D, xe) + eps));
-        if (xe == 1 && ge == 1) {
-          norm_backward_row<1>(xr, w, inv, D, gr, acc);
-        } else {
-          norm_backward_row<0>(xr, w, inv, D, gr, acc, xe, ge);
-        }
+        norm_backward_row(xr, xe, w, inv, D, gr, ge, acc);
       }
     }
   });
