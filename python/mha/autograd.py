@@ -28,7 +28,7 @@ class AttentionFunction(torch.autograd.Function):
         _mha.attention(n(q), n(k), n(v), n(out), keep_mask=n(keep), attn_bias=n(bias),
                        key_lengths=lengths, lse=n(lse), weights=n(weights), scale=scale, causal=causal, window=window,
                        dropout_p=dropout_p, dropout_seed=seed, num_threads=num_threads, backend=backend,
-                       softcap=softcap, alibi_slopes=A.native(alibi), sinks=A.native(sinks), sink_tokens=sink_tokens)
+                       softcap=softcap, alibi_slopes=n(alibi), sinks=n(sinks), sink_tokens=sink_tokens)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.keep, ctx.bias, ctx.lengths, ctx.params = keep, bias, lengths, params
         ctx.alibi, ctx.sinks = alibi, sinks
@@ -58,7 +58,7 @@ class AttentionFunction(torch.autograd.Function):
         n = A.native
         _mha.attention_backward(n(q), n(k), n(v), n(out), n(lse), n(grad_out.to(q.dtype).contiguous()),
                                 n(dq), n(dk), n(dv),
-                                keep_mask=A.native(ctx.keep), attn_bias=A.native(ctx.bias), key_lengths=ctx.lengths,
+                                keep_mask=n(ctx.keep), attn_bias=n(ctx.bias), key_lengths=ctx.lengths,
                                 scale=scale, causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
                                 num_threads=num_threads, backend=backend, softcap=softcap,
                                 alibi_slopes=n(ctx.alibi), sinks=n(ctx.sinks), grad_sinks=n(dsinks),
