@@ -232,7 +232,8 @@ void backward(const BasicVarlenInputs<T>& in, const View<const T>& out, const Vi
                           gather_heads(grad_out, q0, scratch<T>(Workspace::kVarlenGradOut, Hq, nq, Dv), threads);
                       const BasicAttentionInputGrads<T> g{scratch<T>(Workspace::kVarlenGradQuery, Hq, nq, D),
                                                           scratch<T>(Workspace::kVarlenGradKey, Hkv, nk, D),
-                                                          scratch<T>(Workspace::kVarlenGradValue, Hkv, nk, Dv)};
+                                                          scratch<T>(Workspace::kVarlenGradValue, Hkv, nk, Dv),
+                                                          View<float>()};  // varlen takes no sinks
                       attention_backward(a, ot, sequence_lse(lse, q0, nq), go, g, o);
                       scatter_heads(g.grad_query, grads.grad_query, q0, threads);
                       scatter_heads(g.grad_key, grads.grad_key, k0, threads);
