@@ -122,6 +122,13 @@ void varlen_typed(const In& q, const In& k, const In& v, const In& cu_q, const I
   varlen_attention(in, o, l, opt);
 }
 
+void merge_py(const Out& out, const Out& lse, const In& part_out, const In& part_lse, int num_threads) {
+  const View<float> o = view_of<float>(out, "out"), l = view_of<float>(lse, "lse");
+  const View<const float> po = view_of<const float>(part_out, "part_out"), pl = view_of<const float>(part_lse, "part_lse");
+  nb::gil_scoped_release release;
+  merge_attention(o, l, po, pl, num_threads);
+}
+
 void varlen_py(const In& q, const In& k, const In& v, const In& cu_q, const In& cu_k, const Out& out, const Out& lse,
                std::optional<float> scale, int causal, int64_t window, float dropout_p, uint64_t dropout_seed,
                int num_threads, float softcap, const std::optional<In>& alibi_slopes) {
@@ -187,6 +194,8 @@ NB_MODULE(_mha, m) {
         nb::arg("backend") = "auto", nb::arg("softcap") = 0.0f, nb::arg("alibi_slopes").none() = nb::none(),
         nb::arg("sinks").none() = nb::none(), nb::arg("grad_sinks").none() = nb::none(), nb::arg("sink_tokens") = 0);
 
+  m.def("merge_attention", &merge_py, nb::arg("out"), nb::arg("lse"), nb::arg("part_out"), nb::arg("part_lse"),
+        nb::arg("num_threads") = 0);
   m.def("varlen_attention", &varlen_py, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("scale").none() = nb::none(),
         nb::arg("causal") = 0, nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0,

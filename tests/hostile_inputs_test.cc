@@ -137,6 +137,11 @@ TEST(HostileAccessors, ViewAtIsChecked) {
   expect_error([&] { v.at(0, -1); }, {"View::at", "(0, -1, 0, 0)"});
   expect_error([&] { v.at(0, 0, 1); }, {"View::at", "past the rank"});
   expect_error([&] { v.at(int64_t{1} << 40); }, {"View::at", "1099511627776"});
+  // A shape whose element count overflows int64: the row-major strides wrap (no undefined
+  // behaviour) and numel() is an error naming the shape.
+  const int64_t big = int64_t{1} << 32;
+  const View<const float> huge(data, {big, big, 1});
+  expect_error([&] { (void)huge.numel(); }, {"View::numel", "(4294967296, 4294967296, 1)", "int64"});
 }
 
 TEST(HostileAccessors, ModuleProjectionAccessors) {
@@ -424,15 +429,14 @@ TEST(HostileVariants, LimitsOfSinkTokensSlopesAndPositions) {
   Tensor x(DType::kF32, {1, 1, 1, 4}), y(DType::kF32, {1, 1, 1, 4});
   for (int i = 0; i < 4; ++i) x.data<float>()[i] = y.data<float>()[i] = static_cast<float>(i + 1);
   const std::vector<int64_t> first{int64_t{1} << 40};
-  modules::transform_qk(f, 0.0f, {y.view<float>(), y.view<float>()}, first, {y.view<float>(), y.view<float>()}, first,
-                        false, 1);
+  modules::transform_qk(f, 0.0f, {y.view<float>(), y.view<float>()}, first, {y.view<float>(), y.view<float>()}, first, 1);
   const long double a = std::ldexp(1.0L, 40);
   // The q and k views alias here: the pair was rotated twice, by 2·2^40.
   const long double c2 = std::cos(2 * a), s2 = std::sin(2 * a);
   EXPECT_NEAR(y.data<float>()[0], static_cast<float>(1 * c2 - 3 * s2), 1e-5);
   EXPECT_NEAR(y.data<float>()[2], static_cast<float>(1 * s2 + 3 * c2), 1e-5);
-  modules::transform_qk(f, 0.0f, {y.view<float>(), y.view<float>()}, first, {y.view<float>(), y.view<float>()}, first,
-                        true, 1);
+  modules::transform_qk_backward(f, 0.0f, {View<const float>(), y.view<float>()}, first,
+                                 {View<const float>(), y.view<float>()}, first, 1);
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(y.data<float>()[i], x.data<float>()[i], 1e-5) << i;
 }
 

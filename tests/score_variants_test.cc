@@ -1,16 +1,22 @@
 // Softcap, ALiBi and sinks through the public API: each against an equivalent formulation the
 // library already had (ALiBi as an explicit bias, a sink as one more key), the fully masked
-// row, and the argument checks. The kernels against the reference: flash_attention_test.cc and
-// attention_backward_test.cc; the models' own formulas: tests/python/test_score_variants.py.
+// row, and the argument checks; the module's rotary/QK-norm row kernels against a float64
+// reference on every SIMD target. The attention kernels against the reference:
+// flash_attention_test.cc and attention_backward_test.cc; the models' own formulas:
+// tests/python/test_score_variants.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "mha/attention.h"
 #include "mha/kv_cache.h"
+#include "kernels/cpu/flash.h"
 #include "mha/multi_head_attention.h"
+#include "modules/positional.h"
 #include "test_util.h"
 
 namespace mha::test {
@@ -347,6 +353,115 @@ TEST(ModuleVariants, ConfigAndWeightErrors) {
   const float want[6] = {0.25f, 0.0625f, 0.015625f, 0.00390625f, 0.5f, 0.125f};
   for (int h = 0; h < 6; ++h) EXPECT_EQ(a.alibi_slopes().data[h], want[h]) << h;
 }
+
+// The vectorised rows of QK-norm and rotary (kernels/cpu/qk_rows.cc) against a float64 reference
+// on random shapes: head dims around the vector widths (tails, pairs straddling vectors in
+// neither layout), partial rotary dims, in place and not, views strided as the module's packed
+// projections, positions shared (a forward) or per sequence (decoding), > 32 tokens (the
+// backward's task chunks). Bounds: docs/numerics.md ("Rotary … QK-norm").
+class PositionalRows : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { kernels::force_simd_target(GetParam()); }
+  void TearDown() override { kernels::force_simd_target(""); }
+};
+
+TEST_P(PositionalRows, EqualFloat64Reference) {
+  Rng rng(base_seed() + 150);
+  constexpr double u = std::numeric_limits<float>::epsilon() / 2;
+  const int64_t head_dims[] = {2, 6, 8, 16, 30, 32, 48, 64, 72, 130};
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t B = rng.range(1, 2), H = rng.range(1, 3), T = rng.range(1, 40), D = head_dims[trial % 10];
+    RotaryConfig rc;
+    rc.dims = 2 * rng.range(0, D / 2);
+    rc.interleaved = rng.coin();
+    rc.theta = rng.coin() ? 10000.0f : 100.0f;
+    if (rc.dims > 2 && rng.coin()) rc.scaling = RopeScaling::kYarn, rc.factor = 4, rc.original_max_positions = 16;
+    const bool norm = rc.dims == 0 || rng.coin(), in_place = !norm || rng.coin(), shared = rng.coin();
+    const float eps = 1e-6f;
+    const modules::RotaryFreqs f = modules::rotary_freqs(rc);
+    std::vector<int64_t> first(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) first[static_cast<size_t>(b)] = shared ? 3 : rng.range(0, 100);
+    // Token-major rows of width W > H·D (a packed projection), heads at offset 1 (unaligned).
+    const int64_t W = H * D + 5;
+    auto heads = [&](Tensor& t) { return View<float>(t.data<float>() + 1, {B, H, T, D}, {T * W, D, W, 1}); };
+    Tensor x = random_tensor(rng, {B, T, W}), y = in_place ? Tensor() : random_tensor(rng, {B, T, W});
+    Tensor g = random_tensor(rng, {B, T, W}), w = random_tensor(rng, {D}), dw(DType::kF32, {D});
+    std::fill(dw.data<float>(), dw.data<float>() + D, 0.5f);
+    const Tensor x0 = x.clone(), g0 = g.clone();
+    // k: a copy of q's rows, which must come out with the same bits.
+    Tensor kx = x.clone(), ky = in_place ? Tensor() : y.clone(), kg = g.clone(), kdw = dw.clone();
+    const float* wp = norm ? w.data<float>() : nullptr;
+    const View<float> xv = heads(x), yv = in_place ? xv : heads(y), kxv = heads(kx), kyv = in_place ? kxv : heads(ky);
+    modules::transform_qk(f, eps, {xv, yv, wp}, first, {kxv, kyv, wp}, first, 1);
+    // The backward reads the forward's input rows.
+    Tensor xin = x0.clone();
+    modules::transform_qk_backward(f, eps, {heads(xin), heads(g), wp, norm ? dw.data<float>() : nullptr}, first,
+                                   {heads(xin), heads(kg), wp, norm ? kdw.data<float>() : nullptr}, first, 2);
+    const Tensor& qout = in_place ? x : y;
+    const Tensor& kout = in_place ? kx : ky;
+    ASSERT_EQ(max_diff(qout, kout), 0.0) << GetParam() << " trial " << trial;
+    ASSERT_EQ(max_diff(g, kg), 0.0) << GetParam() << " trial " << trial;
+    ASSERT_EQ(max_diff(dw, kdw), 0.0) << GetParam() << " trial " << trial;
+    std::vector<double> dw_ref(static_cast<size_t>(D), 0.0), dw_mag(static_cast<size_t>(D), 0.0);
+    const float* out = in_place ? x.data<float>() : y.data<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T; ++t) {
+        const double pos = static_cast<double>(first[static_cast<size_t>(b)] + t);
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t at = (b * T + t) * W + 1 + h * D;
+          const float* xr = x0.data<float>() + at;
+          double ms = 0;
+          for (int64_t d = 0; d < D; ++d) ms += static_cast<double>(xr[d]) * xr[d];
+          const double inv = norm ? 1 / std::sqrt(ms / D + eps) : 1;
+          std::vector<double> xh(static_cast<size_t>(D)), yr(static_cast<size_t>(D)), gr(static_cast<size_t>(D));
+          double ymax = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            xh[d] = xr[d] * inv;
+            yr[d] = norm ? xh[d] * w.data<float>()[d] : xr[d];
+            ymax = std::max(ymax, std::fabs(yr[d]));
+            gr[d] = g0.data<float>()[at + d];
+          }
+          // Rotate y by +angle (forward) and g by −angle (the transpose).
+          for (int64_t i = 0; i < rc.dims / 2; ++i) {
+            const double angle = pos * f.inv_freq[static_cast<size_t>(i)];
+            const double c = std::cos(angle) * f.attention_factor, s = std::sin(angle) * f.attention_factor;
+            const int64_t a = rc.interleaved ? 2 * i : i, z = rc.interleaved ? 2 * i + 1 : i + rc.dims / 2;
+            const double ya = yr[a], yz = yr[z], ga = gr[a], gz = gr[z];
+            yr[a] = ya * c - yz * s, yr[z] = ya * s + yz * c;
+            gr[a] = ga * c + gz * s, gr[z] = -ga * s + gz * c;
+          }
+          // Forward: mean of squares (≤ (D + 2)u relative), the scaling and the rotation (≤ 6u).
+          const double ytol = (static_cast<double>(D) + 16) * u * ymax * f.attention_factor;
+          for (int64_t d = 0; d < D; ++d) ASSERT_NEAR(out[at + d], yr[d], ytol) << GetParam() << " trial " << trial << " d " << d;
+          // Backward: dx = inv·(g' ⊙ w − x̂·mean(g' ⊙ w ⊙ x̂)), dw += g' ⊙ x̂.
+          double dot = 0, dot_mag = 0, gmax = 0, xmax = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            const double gw = norm ? gr[d] * w.data<float>()[d] : gr[d];
+            dot += gw * xh[d], dot_mag += std::fabs(gw * xh[d]);
+            gmax = std::max(gmax, std::fabs(gw)), xmax = std::max(xmax, std::fabs(xh[d]));
+            dw_ref[d] += gr[d] * xh[d], dw_mag[d] += std::fabs(gr[d] * xh[d]);
+          }
+          const double gtol = (static_cast<double>(D) + 16) * u * inv * (gmax + xmax * dot_mag / D) *
+                              std::max(1.0, f.attention_factor);
+          for (int64_t d = 0; d < D; ++d) {
+            const double want = norm ? inv * (gr[d] * w.data<float>()[d] - xh[d] * dot / D) : gr[d];
+            ASSERT_NEAR(g.data<float>()[at + d], want, gtol) << GetParam() << " trial " << trial << " d " << d;
+          }
+        }
+      }
+    }
+    // dw: per task of ≤ 32 tokens a float sum of ≤ 32·H terms, the tasks summed in double.
+    if (norm) {
+      for (int64_t d = 0; d < D; ++d) {
+        const double tol = (32.0 * static_cast<double>(H) + 16) * u * dw_mag[d] + 0.5 * u;
+        ASSERT_NEAR(dw.data<float>()[d], 0.5 + dw_ref[d], tol) << GetParam() << " trial " << trial << " dw " << d;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, PositionalRows, ::testing::ValuesIn(kernels::simd_targets()),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace
 }  // namespace mha::test

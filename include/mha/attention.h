@@ -144,6 +144,19 @@ void attention_backward(const BasicAttentionInputs<float16>& in, const View<cons
                         const View<const float>& lse, const View<const float16>& grad_out,
                         const BasicAttentionInputGrads<float16>& grads, const AttentionOptions& options = {});
 
+// Merges attention over two disjoint sets of keys for the same queries — the partial results of
+// a split of the keys (context-parallel ring attention, a KV cache plus new keys) — into the
+// result over their union, in place in (out, lse):
+//   l = log(e^lse + e^part_lse),   out ← out·e^(lse − l) + part_out·e^(part_lse − l),   lse ← l,
+// per element in double (≤ 1 float ulp beyond the parts' own errors). Any partition of the keys
+// merges back to attention over all of them, in any order, to within rounding. A part that saw
+// no key (lse = −inf, out = 0: mha's fully masked row) leaves the other unchanged, and two such
+// parts stay zeros with −inf. A NaN or +inf LSE in either part makes the row NaN (NaN in, NaN
+// out). out, part_out: (B, H, T, Dv) float32, lse, part_lse: (B, H, T), any strides; the
+// accumulator must not overlap the part. The same bits for any thread count.
+void merge_attention(const View<float>& out, const View<float>& lse, const View<const float>& part_out,
+                     const View<const float>& part_lse, int num_threads = 0);
+
 }  // namespace mha
 
 #endif  // MHA_ATTENTION_H_

@@ -51,7 +51,9 @@ struct View {
     for (int i = rank - 1; i >= 0; --i) {
       shape[i] = dims[i];
       stride[i] = s;
-      s *= dims[i];
+      // Wraps instead of overflowing (undefined behaviour): a shape too large for int64 is an
+      // mha::Error where the view is used (numel(), every op's checks), not here.
+      s = static_cast<int64_t>(static_cast<uint64_t>(s) * static_cast<uint64_t>(dims[i]));
     }
   }
 
@@ -62,9 +64,12 @@ struct View {
       : data(other.data), rank(other.rank), shape(other.shape), stride(other.stride) {}
 
   bool given() const { return rank > 0; }
+  // An mha::Error if the count does not fit in int64.
   int64_t numel() const {
     int64_t n = 1;
-    for (int i = 0; i < rank; ++i) n *= shape[i];
+    for (int i = 0; i < rank; ++i) {
+      if (__builtin_mul_overflow(n, shape[i], &n)) ThrowTooLarge();
+    }
     return rank > 0 ? n : 0;
   }
   // Row-major with no gaps (dimensions of size 1 may have any stride).
@@ -99,6 +104,9 @@ struct View {
     for (int d = 0; d < kMaxRank; ++d) at += (d ? ", " : "(") + std::to_string(index[d]);
     throw Error("View::at: index " + at + ") is outside the view's shape " + shape_string(*this) +
                 " (indices past the rank must be 0)");
+  }
+  [[noreturn]] void ThrowTooLarge() const {
+    throw Error("View::numel: shape " + shape_string(*this) + " has more elements than int64 can count");
   }
   static void CheckRank(size_t n) {
     if (n == 0 || n > kMaxRank) throw Error("View: rank must be 1..4, got " + std::to_string(n));

@@ -10,11 +10,11 @@ as the kind given. See the docstrings of mha.functional and mha.modules, and doc
 for masks, causal alignment, dropout and fully masked rows.
 """
 from ._mha import Error, KvCache
-from .functional import scaled_dot_product_attention
+from .functional import merge_attention, scaled_dot_product_attention
 from .modules import MultiheadAttention
 from .paged import PagedKvCache
 from .varlen import varlen_attention
 
 __version__ = "0.1.0"
-__all__ = ["Error", "KvCache", "MultiheadAttention", "PagedKvCache", "scaled_dot_product_attention",
+__all__ = ["Error", "KvCache", "MultiheadAttention", "PagedKvCache", "merge_attention", "scaled_dot_product_attention",
            "varlen_attention", "__version__"]

@@ -339,3 +339,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             w = A.reshape(weights, (p.L, p.S)) if p.query_ndim == 2 else _shape_back(p, weights, (p.Hq, p.L, p.S))
         results.append(w)
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def merge_attention(out, lse, part_out, part_lse, *, num_threads=0):
+    """Merges attention over two disjoint sets of keys for the same queries into attention over
+    their union, in place in (out, lse), and returns (out, lse): with l = log(e^lse + e^part_lse),
+    out <- out e^(lse - l) + part_out e^(part_lse - l), lse <- l (C++ mha::merge_attention).
+    out, part_out (B, H, T, Dv) and lse, part_lse (B, H, T) float32, numpy or torch, as returned by
+    scaled_dot_product_attention(..., return_lse=True). A part whose row saw no key (lse -inf,
+    zeros) leaves the other unchanged. No gradient: the parts are taken as constants."""
+    num_threads = A.check_int(num_threads, "merge_attention: num_threads", 0, _mha.MAX_THREADS)
+    n = A.native
+    _mha.merge_attention(n(out), n(lse), n(part_out), n(part_lse), num_threads)
+    return out, lse

@@ -424,7 +424,7 @@ void MultiHeadAttention::transform_qk(const View<float>& q, const View<float>& k
   const modules::RotaryFreqs f = modules::rotary_freqs(c.rotary);
   const float* qw = c.qk_norm ? q_norm_.data<float>() : nullptr;
   const float* kw = c.qk_norm ? k_norm_.data<float>() : nullptr;
-  modules::transform_qk(f, c.qk_norm_eps, {q, q_out, qw}, q_first, {k, k_out, kw}, k_first, false, num_threads);
+  modules::transform_qk(f, c.qk_norm_eps, {q, q_out, qw}, q_first, {k, k_out, kw}, k_first, num_threads);
 }
 
 void MultiHeadAttention::score_inputs(AttentionInputs& in) const {

@@ -149,17 +149,12 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
     for (int64_t h = 0; h < Hq; ++h) grads->sinks.data<float>()[h] += dsinks.data<float>()[h];
   }
   // Back through rotary (a rotation: its transpose) and QK-norm, to the projections' outputs.
-  if (c.rotary.dims > 0) {
-    const modules::RotaryFreqs f = modules::rotary_freqs(c.rotary);
-    modules::transform_qk(f, 0.0f, {grad_heads.q, grad_heads.q}, t.q_first, {grad_heads.k, grad_heads.k},
-                          std::vector<int64_t>(static_cast<size_t>(B), 0), true, options.num_threads);
-  }
-  if (c.qk_norm) {
-    modules::rms_norm_backward(heads.q, q_norm_.data<float>(), c.qk_norm_eps, grad_heads.q,
-                               grads->q_norm.data<float>(), options.num_threads);
-    modules::rms_norm_backward(heads.k, k_norm_.data<float>(), c.qk_norm_eps, grad_heads.k,
-                               grads->k_norm.data<float>(), options.num_threads);
-  }
+  const modules::RotaryFreqs f = modules::rotary_freqs(c.rotary);
+  const float* qw = c.qk_norm ? q_norm_.data<float>() : nullptr;
+  const float* kw = c.qk_norm ? k_norm_.data<float>() : nullptr;
+  modules::transform_qk_backward(f, c.qk_norm_eps, {heads.q, grad_heads.q, qw, qw ? grads->q_norm.data<float>() : nullptr},
+                                 t.q_first, {heads.k, grad_heads.k, kw, kw ? grads->k_norm.data<float>() : nullptr},
+                                 std::vector<int64_t>(static_cast<size_t>(B), 0), options.num_threads);
 
   // Input projections.
   MhaInputGrads result;

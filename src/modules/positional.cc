@@ -4,6 +4,7 @@
 #include <cmath>
 #include <initializer_list>
 
+#include "kernels/cpu/qk_rows.h"
 #include "util/check.h"
 #include "util/parallel.h"
 
@@ -67,19 +68,60 @@ RotaryFreqs rotary_freqs(const RotaryConfig& r) {
 
 namespace {
 
-// mean(x²) of n floats at stride e: float sums in 8 interleaved lanes (vectorised for e = 1;
-// relative error ≲ (n/8 + 3)·u, as torch's float32 RMSNorm), returned as double.
-double mean_square(const float* x, int64_t n, int64_t e) {
-  float lanes[8] = {};
-  int64_t d = 0;
-  if (e == 1) {
-    for (; d + 8 <= n; d += 8)
-      for (int l = 0; l < 8; ++l) lanes[l] += x[d + l] * x[d + l];
+// The rotations of rows at positions first[b] + t, in the kernels' layout (kernels::RowRotation):
+// one table of T positions when every sequence starts at the same position (a forward), else
+// computed per row (decoding). inverse: sin negated (the transposed rotation).
+class RotationTable {
+ public:
+  RotationTable(const RotaryFreqs& f, bool inverse, const std::vector<int64_t>& first, int64_t T, int num_threads)
+      : f_(f), inverse_(inverse), first_(first), width_(f.interleaved ? f.dims : f.dims / 2) {
+    shared_ = std::all_of(first.begin(), first.end(), [&](int64_t x) { return x == first[0]; });
+    if (!shared_ || width_ == 0) return;
+    table_.resize(static_cast<size_t>(2 * T * width_));
+    parallel_for(T, num_threads, [&](int64_t t) { fill(first[0] + t, &table_[static_cast<size_t>(2 * t * width_)]); });
   }
-  for (; d < n; ++d) lanes[d % 8] += x[d * e] * x[d * e];
-  double sum = 0;
-  for (float l : lanes) sum += l;
-  return sum / static_cast<double>(n);
+
+  // The rotation of row t of sequence b; own: room for kOwnFloats, used when not shared.
+  static constexpr int64_t kOwnFloats = 4 * kMaxRotaryPairs;
+  kernels::RowRotation at(int64_t b, int64_t t, float* own) const {
+    if (width_ == 0) return {};
+    const float* cs = own;
+    if (shared_) {
+      cs = table_.data() + 2 * t * width_;
+    } else {
+      fill(first_[static_cast<size_t>(b)] + t, own);
+    }
+    return {cs, cs + width_, f_.dims / 2, f_.interleaved};
+  }
+
+ private:
+  // cos then sin of position pos (width_ values each) into cs.
+  void fill(int64_t pos, float* cs) const {
+    float* c = cs;
+    float* s = cs + width_;
+    for (int64_t i = 0; i < f_.dims / 2; ++i) {
+      const double angle = static_cast<double>(pos) * f_.inv_freq[i];  // double: exact enough anywhere
+      const float ci = static_cast<float>(std::cos(angle) * f_.attention_factor);
+      const float si = static_cast<float>((inverse_ ? -1 : 1) * std::sin(angle) * f_.attention_factor);
+      if (f_.interleaved) {
+        c[2 * i] = c[2 * i + 1] = ci;
+        s[2 * i] = -si, s[2 * i + 1] = si;
+      } else {
+        c[i] = ci, s[i] = si;
+      }
+    }
+  }
+
+  const RotaryFreqs& f_;
+  bool inverse_, shared_ = false;
+  const std::vector<int64_t>& first_;
+  int64_t width_;
+  std::vector<float> table_;
+};
+
+// The kernels take a token's heads as rows of contiguous floats.
+void check_rows(const View<const float>& x, const char* what) {
+  MHA_CHECK(x.rank == 4 && x.stride[3] == 1, "positional: {} must be (B, H, T, D) rows of unit stride (internal)", what);
 }
 
 // Row t of batch b of each transform's src, optionally normalised (QK-norm with its weight),
@@ -87,142 +129,91 @@ double mean_square(const float* x, int64_t n, int64_t e) {
 // per (b, t) over every head of every view: one cos/sin computation per position, each row
 // read and written once.
 void transform_rows(const RotaryFreqs& f, float eps, std::initializer_list<HeadTransform> xs,
-                    const std::vector<int64_t>& first, bool inverse, int num_threads) {
+                    const std::vector<int64_t>& first, int num_threads) {
   const View<const float>& x0 = xs.begin()->src;
-  const int64_t B = x0.shape[0], T = x0.shape[2], half = f.dims / 2;
-  // cos and sin of position first[b] + t: one table of T positions when every sequence starts at
-  // the same position (a forward), else computed per row (decoding).
-  const bool shared = std::all_of(first.begin(), first.end(), [&](int64_t x) { return x == first[0]; });
-  std::vector<float> table(shared ? static_cast<size_t>(2 * T * half) : 0);
-  auto angles = [&](int64_t pos, float* c, float* s) {
-    for (int64_t i = 0; i < half; ++i) {
-      const double angle = static_cast<double>(pos) * f.inv_freq[i];  // double: exact enough anywhere
-      c[i] = static_cast<float>(std::cos(angle) * f.attention_factor);
-      s[i] = static_cast<float>((inverse ? -1 : 1) * std::sin(angle) * f.attention_factor);
-    }
-  };
-  if (shared && half > 0) {
-    parallel_for(T, num_threads, [&](int64_t t) { angles(first[0] + t, &table[2 * t * half], &table[(2 * t + 1) * half]); });
-  }
+  const int64_t B = x0.shape[0], T = x0.shape[2];
+  for (const HeadTransform& x : xs) check_rows(x.src, "src"), check_rows(x.dst, "dst");
+  const RotationTable rotation(f, false, first, T, num_threads);
   parallel_for(B * T, num_threads, [&](int64_t bt) {
     const int64_t b = bt / T, t = bt % T;
-    float own[2 * kMaxRotaryPairs];
-    const float* c = own;
-    const float* s = own + half;
-    if (shared) {
-      c = table.data() + 2 * t * half;
-      s = c + half;
-    } else {
-      angles(first[static_cast<size_t>(b)] + t, own, own + half);
-    }
+    float own[RotationTable::kOwnFloats];
+    const kernels::RowRotation r = rotation.at(b, t, own);
     for (const HeadTransform& x : xs) {
-      const int64_t D = x.src.shape[3], se = x.src.stride[3], de = x.dst.stride[3];
-      for (int64_t h = 0; h < x.src.shape[1]; ++h) {
-        const float* in = x.src.data + b * x.src.stride[0] + h * x.src.stride[1] + t * x.src.stride[2];
-        float* row = x.dst.data + b * x.dst.stride[0] + h * x.dst.stride[1] + t * x.dst.stride[2];
-        if (x.norm_weight) {
-          const float inv = static_cast<float>(1.0 / std::sqrt(mean_square(in, D, se) + eps));
-          if (se == 1 && de == 1) {  // unit strides spelled out: the compiler vectorises this one
-            for (int64_t d = 0; d < D; ++d) row[d] = in[d] * inv * x.norm_weight[d];
-          } else {
-            for (int64_t d = 0; d < D; ++d) row[d * de] = in[d * se] * inv * x.norm_weight[d];
-          }
-        } else if (row != in) {
-          for (int64_t d = 0; d < D; ++d) row[d * de] = in[d * se];
-        }
-        if (de == 1 && !f.interleaved) {  // half-split, unit stride: vectorised
-          float* ra = row;
-          float* rz = row + half;
-          for (int64_t i = 0; i < half; ++i) {
-            const float xa = ra[i], xz = rz[i];
-            ra[i] = xa * c[i] - xz * s[i];
-            rz[i] = xa * s[i] + xz * c[i];
-          }
-          continue;
-        }
-        for (int64_t i = 0; i < half; ++i) {
-          const int64_t a = f.interleaved ? 2 * i : i, z = f.interleaved ? 2 * i + 1 : i + half;
-          const float xa = row[a * de], xz = row[z * de];
-          row[a * de] = xa * c[i] - xz * s[i];
-          row[z * de] = xa * s[i] + xz * c[i];
-        }
+      const float* in = x.src.data + b * x.src.stride[0] + t * x.src.stride[2];
+      float* out = x.dst.data + b * x.dst.stride[0] + t * x.dst.stride[2];
+      kernels::qk_rows_forward(in, x.src.stride[1], out, x.dst.stride[1], x.src.shape[1], x.src.shape[3], x.norm_weight,
+                               eps, r);
+    }
+  });
+}
+
+// The backward of transform_rows for each view's rows. Tasks of kPositions tokens of one
+// sequence, every head of each (the module's rows are token-major, so a task reads and writes
+// contiguous memory). dw: a partial sum per task in a fixed order, the partials summed in task
+// order: the same bits for any thread count.
+void backward_rows(const RotaryFreqs& f, float eps, std::initializer_list<HeadGradient> gs,
+                   const std::vector<int64_t>& first, int num_threads) {
+  const View<float>& g0 = gs.begin()->g;
+  const int64_t B = g0.shape[0], T = g0.shape[2];
+  int64_t width = 0;  // partial dw floats per task, all views
+  for (const HeadGradient& x : gs) {
+    check_rows(x.g, "g");
+    if (x.norm_weight) check_rows(x.x, "x"), width += x.g.shape[3];
+  }
+  constexpr int64_t kPositions = 32;
+  const int64_t chunks = (T + kPositions - 1) / kPositions;
+  std::vector<float> partial(static_cast<size_t>(B * chunks * width), 0.0f);
+  const RotationTable rotation(f, true, first, T, num_threads);
+  parallel_for(B * chunks, num_threads, [&](int64_t task) {
+    const int64_t b = task / chunks, t0 = task % chunks * kPositions, t1 = std::min(T, t0 + kPositions);
+    float own[RotationTable::kOwnFloats];
+    for (int64_t t = t0; t < t1; ++t) {
+      const kernels::RowRotation r = rotation.at(b, t, own);
+      float* acc = partial.data() + task * width;
+      for (const HeadGradient& x : gs) {
+        const float* xr = x.norm_weight ? x.x.data + b * x.x.stride[0] + t * x.x.stride[2] : nullptr;
+        float* gr = x.g.data + b * x.g.stride[0] + t * x.g.stride[2];
+        const int64_t D = x.g.shape[3];
+        kernels::qk_rows_backward(xr, x.norm_weight ? x.x.stride[1] : 0, gr, x.g.stride[1], x.g.shape[1], D,
+                                  x.norm_weight, eps, r, acc);
+        if (x.norm_weight) acc += D;
       }
     }
   });
+  int64_t offset = 0;
+  for (const HeadGradient& x : gs) {
+    if (!x.norm_weight) continue;
+    const int64_t D = x.g.shape[3];
+    for (int64_t d = 0; d < D; ++d) {
+      double total = 0;
+      for (int64_t task = 0; task < B * chunks; ++task) total += partial[static_cast<size_t>(task * width + offset + d)];
+      x.dw[d] += static_cast<float>(total);
+    }
+    offset += D;
+  }
 }
 
 }  // namespace
 
 void transform_qk(const RotaryFreqs& f, float eps, const HeadTransform& q, const std::vector<int64_t>& q_first,
-                  const HeadTransform& k, const std::vector<int64_t>& k_first, bool inverse, int num_threads) {
+                  const HeadTransform& k, const std::vector<int64_t>& k_first, int num_threads) {
   if (f.dims == 0 && !q.norm_weight) return;
   if (q_first == k_first && q.src.shape[2] == k.src.shape[2]) {  // self-attention: one pass for both
-    transform_rows(f, eps, {q, k}, q_first, inverse, num_threads);
+    transform_rows(f, eps, {q, k}, q_first, num_threads);
   } else {
-    transform_rows(f, eps, {q}, q_first, inverse, num_threads);
-    transform_rows(f, eps, {k}, k_first, inverse, num_threads);
+    transform_rows(f, eps, {q}, q_first, num_threads);
+    transform_rows(f, eps, {k}, k_first, num_threads);
   }
 }
 
-namespace {
-
-// One row of RMSNorm's backward: x̂ = x·inv, y = x̂·w; with u = g·w: dx = inv·(u − x̂·mean(u·x̂))
-// into g, and acc += g·x̂ (dw). The sums run in 8 interleaved lanes (as mean_square), and unit
-// strides take a loop of their own, so the compiler vectorises the row (a single float sum is a
-// serial chain: the backward ran at ~2.6 ns per element). Both loops add in the same order.
-void norm_backward_row(const float* xr, int64_t xe, const float* w, float inv, int64_t D, float* gr, int64_t ge,
-                       float* acc) {
-  float lanes[8] = {};
-  int64_t d = 0;
-  if (xe == 1 && ge == 1) {
-    for (; d + 8 <= D; d += 8) {
-      for (int l = 0; l < 8; ++l) {
-        const float xh = xr[d + l] * inv;
-        acc[d + l] += gr[d + l] * xh;
-        lanes[l] += gr[d + l] * w[d + l] * xh;
-      }
-    }
-  }
-  for (; d < D; ++d) {
-    const float xh = xr[d * xe] * inv;
-    acc[d] += gr[d * ge] * xh;
-    lanes[d % 8] += gr[d * ge] * w[d] * xh;
-  }
-  float dot = 0;
-  for (float l : lanes) dot += l;
-  const float mean = dot / static_cast<float>(D);
-  for (d = 0; d < D; ++d) gr[d * ge] = inv * (gr[d * ge] * w[d] - xr[d * xe] * inv * mean);
-}
-
-}  // namespace
-
-void rms_norm_backward(const View<const float>& x, const float* w, float eps, const View<float>& g, float* dw,
-                       int num_threads) {
-  const int64_t B = x.shape[0], H = x.shape[1], T = x.shape[2], D = x.shape[3];
-  // Tasks of kPositions tokens of one sequence, every head of each: the module's rows are
-  // token-major, so a task reads and writes contiguous memory (a task per head strode ~9 KiB
-  // from row to row and waited on memory for each). dw: a partial sum per task in a fixed order,
-  // the partials summed in task order: the same bits for any thread count.
-  constexpr int64_t kPositions = 32;
-  const int64_t chunks = (T + kPositions - 1) / kPositions;
-  std::vector<float> partial(static_cast<size_t>(B * chunks * D), 0.0f);
-  parallel_for(B * chunks, num_threads, [&](int64_t task) {
-    const int64_t b = task / chunks, t0 = task % chunks * kPositions, t1 = std::min(T, t0 + kPositions);
-    const int64_t xe = x.stride[3], ge = g.stride[3];
-    float* acc = partial.data() + task * D;
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t h = 0; h < H; ++h) {
-        const float* xr = x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
-        float* gr = g.data + b * g.stride[0] + h * g.stride[1] + t * g.stride[2];
-        const float inv = static_cast<float>(1.0 / std::sqrt(mean_square(xr, D, xe) + eps));
-        norm_backward_row(xr, xe, w, inv, D, gr, ge, acc);
-      }
-    }
-  });
-  for (int64_t d = 0; d < D; ++d) {
-    double total = 0;
-    for (int64_t task = 0; task < B * chunks; ++task) total += partial[static_cast<size_t>(task * D + d)];
-    dw[d] += static_cast<float>(total);
+void transform_qk_backward(const RotaryFreqs& f, float eps, const HeadGradient& q, const std::vector<int64_t>& q_first,
+                           const HeadGradient& k, const std::vector<int64_t>& k_first, int num_threads) {
+  if (f.dims == 0 && !q.norm_weight) return;
+  if (q_first == k_first && q.g.shape[2] == k.g.shape[2]) {
+    backward_rows(f, eps, {q, k}, q_first, num_threads);
+  } else {
+    backward_rows(f, eps, {q}, q_first, num_threads);
+    backward_rows(f, eps, {k}, k_first, num_threads);
   }
 }
 

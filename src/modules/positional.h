@@ -41,17 +41,26 @@ struct HeadTransform {
 
 // QK-norm (each view with a norm_weight: x / sqrt(mean(x²) + eps) · w) then rotation of the
 // first f.dims dims (none if 0), for q (B, Hq, Tq, D) and k (B, Hkv, Tk, D): row t of batch b is
-// at position q_first[b] + t (k_first for k). One pass over each row. inverse (no norm): the
-// transposed rotation, the backward of a rotation by the same angles (with a YaRN attention
-// factor a, the backward of a·R is a·Rᵀ).
+// at position q_first[b] + t (k_first for k). One pass over each row, vectorised
+// (kernels/cpu/qk_rows.h); rows of unit stride.
 void transform_qk(const RotaryFreqs& f, float eps, const HeadTransform& q, const std::vector<int64_t>& q_first,
-                  const HeadTransform& k, const std::vector<int64_t>& k_first, bool inverse, int num_threads);
+                  const HeadTransform& k, const std::vector<int64_t>& k_first, int num_threads);
 
-// Given the normalised rows' input x and g = dL/d(output) (both (B, H, T, D)): g becomes dL/dx
-// and dw (D floats) accumulates Σ g·x̂ over the rows (in a fixed order: the same bits for any
-// thread count).
-void rms_norm_backward(const View<const float>& x, const float* w, float eps, const View<float>& g, float* dw,
-                       int num_threads);
+// One view's gradient through its transform: g (B, H, T, D), dL/d of the transformed rows,
+// becomes dL/d of the rows before it, in place. With QK-norm (norm_weight set), x holds the
+// forward's input rows and dw (D floats) accumulates dL/dw.
+struct HeadGradient {
+  View<const float> x;
+  View<float> g;
+  const float* norm_weight = nullptr;
+  float* dw = nullptr;
+};
+
+// The backward of transform_qk with the same positions: the transposed rotation (with a YaRN
+// attention factor a, the backward of a·R is a·Rᵀ) then RMSNorm's backward, one pass over each
+// gradient row. dw sums in a fixed order: the same bits for any thread count.
+void transform_qk_backward(const RotaryFreqs& f, float eps, const HeadGradient& q, const std::vector<int64_t>& q_first,
+                           const HeadGradient& k, const std::vector<int64_t>& k_first, int num_threads);
 
 // BLOOM's ALiBi slopes for H heads: 2^(-8(h+1)/n) for the closest power of two n <= H, then
 // the odd ones of 2n for the remaining heads.

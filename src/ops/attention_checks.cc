@@ -305,4 +305,8 @@ template kernels::AttentionParams make_attention_params(const BasicAttentionInpu
                                                         const BasicAttentionOutputs<float16>&,
                                                         const AttentionOptions&);
 
+bool views_overlap(const View<const float>& a, const char* a_name, const View<const float>& b, const char* b_name) {
+  return overlaps(extent_of(a, a_name), extent_of(b, b_name));
+}
+
 }  // namespace mha::ops

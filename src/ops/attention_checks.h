@@ -21,6 +21,10 @@ template <typename T>
 kernels::Strides4 broadcast_strides(const View<T>& mask, const int64_t (&target)[4],
                                     const char* name);
 
+// Whether the memory two float views address overlaps (an mha::Error naming a view whose byte
+// span overflows int64).
+bool views_overlap(const View<const float>& a, const char* a_name, const View<const float>& b, const char* b_name);
+
 }  // namespace mha::ops
 
 #endif  // MHA_OPS_ATTENTION_PARAMS_H_
