@@ -79,8 +79,10 @@ void run_variants(const Options& o) {
              "bwd ms", "GFLOP/s", "% plain", "decode µs", "% plain");
   // Timings on a shared VM drift by 10-40% within minutes: every variant is measured right after
   // plain in each of eleven rounds; reported are the fastest round's wall time of each and the
-  // ratio of their fastest rounds' CPU time (time_call) — except for decoding, whose steps are
-  // too short for CPU time to mean anything (threads spinning between regions count): wall.
+  // median over the rounds of the ratio of CPU times (time_call) within a round — the fastest
+  // rounds of two variants could be minutes apart, and their ratio moved by ±10% from run to run
+  // — except for decoding, whose steps are too short for CPU time to mean anything (threads
+  // spinning between regions count): wall.
   constexpr int kRounds = 11;
   constexpr size_t kVariants = sizeof(variants) / sizeof(variants[0]);
   std::vector<CallTime> times[kVariants][3];
@@ -91,10 +93,10 @@ void run_variants(const Options& o) {
   };
   auto wall_ratio = [&](const std::vector<CallTime>& base, const std::vector<CallTime>& v) { return best(base) / best(v); };
   auto ratio = [](const std::vector<CallTime>& base, const std::vector<CallTime>& v) {  // of CPU time
-    double a = base[0].cpu, b = v[0].cpu;
-    for (const CallTime& t : base) a = std::min(a, t.cpu);
-    for (const CallTime& t : v) b = std::min(b, t.cpu);
-    return a / b;
+    std::vector<double> r;
+    for (size_t i = 0; i < base.size(); ++i) r.push_back(base[i].cpu / v[i].cpu);
+    std::sort(r.begin(), r.end());
+    return r[r.size() / 2];
   };
   for (int round = 0; round < kRounds; ++round) {
   for (size_t vi = 0; vi < kVariants; ++vi) {
@@ -126,12 +128,16 @@ void run_variants(const Options& o) {
     const char* name;
     bool rotary, qk_norm;
   };
-  const ModuleVariant module_variants[] = {{"plain", false, false}, {"rotary", true, false}, {"rotary + qk-norm", true, true}};
+  // "plain, again": the same module as plain, measured second in each round — the control
+  // that shows what the ratios read for equal work (the noise floor of this measurement).
+  const ModuleVariant module_variants[] = {
+      {"plain", false, false}, {"plain, again", false, false}, {"rotary", true, false}, {"rotary + qk-norm", true, true}};
+  constexpr size_t kModuleVariants = sizeof(module_variants) / sizeof(module_variants[0]);
   const int64_t MB = 4, MT = 512, ME = 768;
   const Tensor mx = filled({MB, MT, ME}, 1.0f), mr = filled({MB, MT, ME}, 1.0f);
-  std::vector<CallTime> mtimes[3][2];
+  std::vector<CallTime> mtimes[kModuleVariants][2];
   for (int round = 0; round < kRounds; ++round) {
-    for (size_t vi = 0; vi < 3; ++vi) {
+    for (size_t vi = 0; vi < kModuleVariants; ++vi) {
       MultiHeadAttentionConfig config;
       config.embed_dim = ME;
       config.num_heads = 12;
@@ -166,7 +172,7 @@ void run_variants(const Options& o) {
   }
   fmt::print("\nmodule at gpt2-512 (B, T, E, H) = ({}, {}, {}, 12), causal; rotary on all 64 head dims\n", MB, MT, ME);
   fmt::print("{:<18} {:>12} {:>12} {:>16} {:>12}\n", "", "forward ms", "cost", "train step ms", "cost");
-  for (size_t vi = 0; vi < 3; ++vi) {
+  for (size_t vi = 0; vi < kModuleVariants; ++vi) {
     fmt::print("{:<18} {:>12.2f} {:>11.1f}% {:>16.2f} {:>11.1f}%\n", module_variants[vi].name,
                best(mtimes[vi][0]) * 1e3, 100 * (1 / ratio(mtimes[0][0], mtimes[vi][0]) - 1),
                best(mtimes[vi][1]) * 1e3, 100 * (1 / ratio(mtimes[0][1], mtimes[vi][1]) - 1));

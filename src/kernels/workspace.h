@@ -39,6 +39,9 @@ class Workspace {
     // varlen_attention (src/ops/varlen.cc): one sequence's rows, head-major, around the kernel calls.
     kVarlenQuery, kVarlenKey, kVarlenValue, kVarlenOut, kVarlenGradOut, kVarlenGradQuery, kVarlenGradKey,
     kVarlenGradValue,
+    // MultiHeadAttention training with QK-norm (src/modules/multi_head_attention_internal.h): q and
+    // k after QK-norm and rotary, token-major, around the attention calls of a forward or backward.
+    kModuleNormedQuery, kModuleNormedKey,
     kSlots
   };
 

@@ -3,6 +3,7 @@
 #include "mha/multi_head_attention.h"
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -612,17 +613,12 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
   const Causal causal = options.causal.value_or(c.causal);
   // QK-norm, then rotary embeddings. Query i sits at position i (+ Tk - Tq when aligned
   // bottom-right), key j at j. In place, except when training with QK-norm: then the
-  // projections stay (its backward reads them) and q, k go to buffers of their own.
-  Tensor qn, kn;
+  // projections stay (its backward reads them) and q, k go to scratch (modules::NormalizedQk).
+  std::optional<modules::NormalizedQk> normed;
   View<float> q_heads = heads.q, k_heads = heads.k;
   if (c.qk_norm && tape) {
-    // Rows laid out as the projections' (token-major): the fused pass writes each token's heads
-    // contiguously (head-major rows sit 128 KiB apart at gpt2-512 and the pass ran ~2× slower).
-    const int64_t D = head_dim_qk(), Hk = c.num_kv_heads;
-    qn = Tensor(DType::kF32, {Nq, Hq * D});
-    kn = Tensor(DType::kF32, {Nk, Hk * D});
-    q_heads = modules::heads_view(qn.data<float>(), lq, Hq * D, Hq, D);
-    k_heads = modules::heads_view(kn.data<float>(), lk, Hk * D, Hk, D);
+    normed.emplace(lq, lk, Hq, c.num_kv_heads, head_dim_qk());
+    q_heads = normed->q, k_heads = normed->k;
   }
   const std::vector<int64_t> q_first(static_cast<size_t>(B), causal == Causal::kBottomRight ? Tk - Tq : 0);
   transform_qk(heads.q, heads.k, q_heads, k_heads, q_first, std::vector<int64_t>(static_cast<size_t>(B), 0),
@@ -716,7 +712,6 @@ MhaOutputs MultiHeadAttention::forward_impl(const BasicMhaInputs<T>& in, const M
     t.bias = to_tensor(in.attn_bias);
     t.lengths = to_tensor(in.key_lengths);
     t.options = opt;
-    t.q_normed = std::move(qn), t.k_normed = std::move(kn);
     t.q_first = q_first;
     t.out_dropout = drop_out ? c.out_dropout : 0.0f;
     t.out_dropout_seed = out_seed;

@@ -1,6 +1,7 @@
 // MultiHeadAttention training: gradient buffers, parameters for an optimizer, and backward()
 // from a tape recorded by forward(inputs, options, &tape).
 #include <algorithm>
+#include <optional>
 
 #include "mha/multi_head_attention.h"
 #include "modules/multi_head_attention_internal.h"
@@ -128,8 +129,18 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   const modules::QkvHeads grad_heads = modules::qkv_heads(c, data(dqkv), data(dk), data(dv), lq, lk);
   AttentionInputs ai;
   const int64_t dqk = head_dim_qk(), Hk = c.num_kv_heads;
-  ai.query = t.q_normed.defined() ? modules::heads_view(data(t.q_normed), lq, c.num_heads * dqk, c.num_heads, dqk) : heads.q;
-  ai.key = t.k_normed.defined() ? modules::heads_view(data(t.k_normed), lk, Hk * dqk, Hk, dqk) : heads.k;
+  // With QK-norm the projections hold q and k before it: what the forward's attention read is
+  // recomputed (the same transform, the same bits).
+  std::optional<modules::NormalizedQk> normed;
+  ai.query = heads.q;
+  ai.key = heads.k;
+  if (c.qk_norm) {
+    normed.emplace(lq, lk, c.num_heads, Hk, dqk);
+    transform_qk(heads.q, heads.k, normed->q, normed->k, t.q_first, std::vector<int64_t>(static_cast<size_t>(B), 0),
+                 options.num_threads);
+    ai.query = normed->q;
+    ai.key = normed->k;
+  }
   ai.value = heads.v;
   ai.keep_mask = modules::view_or_empty<uint8_t>(t.keep);
   ai.attn_bias = modules::view_or_empty<float>(t.bias);

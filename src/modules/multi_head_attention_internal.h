@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/dropout.h"
+#include "kernels/workspace.h"
 #include "mha/multi_head_attention.h"
 #include "util/convert.h"
 #include "util/random.h"
@@ -107,6 +108,40 @@ View<const T> view_or_empty(const Tensor& t) {
 }  // namespace modules
 
 // Everything backward() reads, owned (the caller's buffers may change after forward returns).
+namespace modules {
+
+// q and k after QK-norm and rotary in a training step, where the projections must stay as they
+// were (QK-norm's backward reads them): rows laid out as the projections' (token-major; the
+// transform writes each token's heads contiguously), in this thread's kernels::Workspace. The
+// forward fills them for its attention call and the backward recomputes them for its own (one
+// more pass over q and k, ~1.4 ms at gpt2-512 on 2 threads) — fresh buffers kept in the tape cost
+// more: 2 × 6 MiB of new pages per step, ~7 ms of page faults. Released at the end of a call when
+// they hold more than kKeepScratch bytes.
+class NormalizedQk {
+ public:
+  NormalizedQk(const Layout& lq, const Layout& lk, int64_t Hq, int64_t Hk, int64_t D) {
+    auto& ws = kernels::Workspace::local();
+    q = heads_view(ws.get<float>(kernels::Workspace::kModuleNormedQuery, static_cast<size_t>(lq.B * lq.T * Hq * D)), lq,
+                   Hq * D, Hq, D);
+    k = heads_view(ws.get<float>(kernels::Workspace::kModuleNormedKey, static_cast<size_t>(lk.B * lk.T * Hk * D)), lk,
+                   Hk * D, Hk, D);
+  }
+  NormalizedQk(const NormalizedQk&) = delete;
+  NormalizedQk& operator=(const NormalizedQk&) = delete;
+  ~NormalizedQk() {
+    constexpr size_t kKeepScratch = size_t{256} << 20;  // per thread, across calls
+    auto& ws = kernels::Workspace::local();
+    if (ws.size(kernels::Workspace::kModuleNormedQuery) + ws.size(kernels::Workspace::kModuleNormedKey) > kKeepScratch) {
+      ws.release(kernels::Workspace::kModuleNormedQuery);
+      ws.release(kernels::Workspace::kModuleNormedKey);
+    }
+  }
+
+  View<float> q, k;
+};
+
+}  // namespace modules
+
 struct MhaTape::State {
   const MultiHeadAttention* module = nullptr;
   int64_t B = 0, Tq = 0, Tk = 0;
@@ -118,8 +153,6 @@ struct MhaTape::State {
   Tensor lse;               // (B, Hq, Tq)
   Tensor keep, bias, lengths;
   AttentionOptions options;  // causal, window, dropout of the attention
-  Tensor q_normed, k_normed;  // QK-norm: q and k after it and rotary, what attention read, as rows
-                              // like the projections' (heads_view); qkv, kbuf keep them before it
   std::vector<int64_t> q_first;  // rotary: query positions start here per batch (keys at 0)
   uint64_t out_dropout_seed = 0;
   float out_dropout = 0.0f;
