@@ -136,7 +136,8 @@ def main():
             r = json.load(f)
     print(f"ring attention: {r['ranks']} ranks x 1 thread on 127.0.0.1 (gloo); (B, H, T, D) = "
           f"(1, {r['heads']}, {r['tokens']}, {r['dim']}), {r['shard_tokens']} tokens per rank")
-    print(f"{'':<19} {'':<19} {'ring s':>8} {'compute s':>10} {'ring/compute*':>13} {'GFLOP/s':>8} {'/(non-causal/2)*':>17}")
+    print(f"{'':<39} {'ring s':>8} {'compute s':>10} {'ring/compute*':>13} {'GFLOP/s':>8} "
+          f"{'/(non-causal/2)*':>17}")
     for row in r["rows"]:
         half = "" if row["over_half_noncausal"] is None else f"{row['over_half_noncausal']:.3f}"
         print(f"{row['config']:<19} {row['part']:<19} {row['ring_s']:>8.3f} {row['compute_s']:>10.3f} "

@@ -131,6 +131,21 @@ def _unpack(buf, like):
     return out
 
 
+def _travelling_kv(ring, k, v):
+    """Yields (step, k shard, v shard) for each ring step: the shard this rank holds then, the next
+    one in transit (sent on to the next rank, received from the previous) while the caller computes."""
+    cur = _pack(k, v)
+    for step in range(ring.size):
+        works = ()
+        if step < ring.size - 1:
+            nxt = torch.empty_like(cur)
+            works = ring.start(cur, nxt, _KV_TAG)
+        yield (step, *_unpack(cur, (k, v)))
+        if works:
+            ring.wait(works, "passing K/V on", step)
+            cur = nxt
+
+
 def _blocks(ring, step, Tl, causal, layout):
     """What this rank computes at ring step `step`: (query rows, key rows, causal) as slices of
     its local rows and of the K/V shard it holds, or None when nothing is visible."""
@@ -153,13 +168,7 @@ def _forward(ring, q, k, v, scale, causal, layout, num_threads):
     out = torch.empty((B, Hq, Tl, v.shape[-1]), dtype=torch.float32)
     lse = torch.empty((B, Hq, Tl), dtype=torch.float32)
     n = A.native
-    cur = _pack(k, v)
-    for step in range(ring.size):
-        works = ()
-        if step < ring.size - 1:
-            nxt = torch.empty_like(cur)
-            works = ring.start(cur, nxt, _KV_TAG)
-        kc, vc = _unpack(cur, (k, v))
+    for step, kc, vc in _travelling_kv(ring, k, v):
         blocks = _blocks(ring, step, Tl, causal, layout)
         if blocks is not None:
             rows, keys, block_causal = blocks
@@ -173,9 +182,6 @@ def _forward(ring, q, k, v, scale, causal, layout, num_threads):
                            causal=_TOP_LEFT if block_causal else 0, num_threads=num_threads)
             if step > 0:
                 _mha.merge_attention(n(out[:, :, rows]), n(lse[:, :, rows]), n(part), n(part_lse), num_threads)
-        if works:
-            ring.wait(works, "passing K/V on", step)
-            cur = nxt
     return out, lse
 
 
@@ -183,15 +189,9 @@ def _backward(ring, q, k, v, out, lse, dout, scale, causal, layout, num_threads)
     Tl = q.shape[2]
     n = A.native
     dq = torch.empty_like(q)  # written whole at step 0 (every rank's own shard: every row)
-    cur = _pack(k, v)
     incoming = None  # (works, buffer): the gradient of the shard held now, from the previous rank
-    for step in range(ring.size):
-        works = ()
-        if step < ring.size - 1:
-            nxt = torch.empty_like(cur)
-            works = ring.start(cur, nxt, _KV_TAG)
-        kc, vc = _unpack(cur, (k, v))
-        grad = torch.zeros_like(cur)  # this rank's dK, dV of the shard, packed as they travel
+    for step, kc, vc in _travelling_kv(ring, k, v):
+        grad = torch.zeros(k.numel() + v.numel(), dtype=torch.float32)  # its dK, dV of the shard, packed
         dk_part, dv_part = _unpack(grad, (k, v))
         blocks = _blocks(ring, step, Tl, causal, layout)
         if blocks is not None:
@@ -210,9 +210,6 @@ def _backward(ring, q, k, v, out, lse, dout, scale, causal, layout, num_threads)
             grad += incoming[1]
         buf = torch.empty_like(grad)
         incoming = (ring.start(grad, buf, _GRAD_TAG), buf)
-        if works:
-            ring.wait(works, "passing K/V on", step)
-            cur = nxt
     ring.wait(incoming[0], "returning dK/dV", ring.size - 1)
     dk, dv = _unpack(incoming[1], (k, v))
     return dq, dk, dv
