@@ -3,9 +3,9 @@
 #include "mha/multi_head_attention.h"
 
 #include <algorithm>
-#include <optional>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 #include "io/weight_names.h"

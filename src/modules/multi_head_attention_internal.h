@@ -105,11 +105,6 @@ View<const T> view_or_empty(const Tensor& t) {
   return t.defined() ? t.view<T>() : View<const T>();
 }
 
-}  // namespace modules
-
-// Everything backward() reads, owned (the caller's buffers may change after forward returns).
-namespace modules {
-
 // q and k after QK-norm and rotary in a training step, where the projections must stay as they
 // were (QK-norm's backward reads them): rows laid out as the projections' (token-major; the
 // transform writes each token's heads contiguously), in this thread's kernels::Workspace. The
@@ -142,6 +137,7 @@ class NormalizedQk {
 
 }  // namespace modules
 
+// Everything backward() reads, owned (the caller's buffers may change after forward returns).
 struct MhaTape::State {
   const MultiHeadAttention* module = nullptr;
   int64_t B = 0, Tq = 0, Tk = 0;
