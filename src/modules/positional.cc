@@ -75,7 +75,7 @@ class RotationTable {
  public:
   RotationTable(const RotaryFreqs& f, bool inverse, const std::vector<int64_t>& first, int64_t T, int num_threads)
       : f_(f), inverse_(inverse), first_(first), width_(f.interleaved ? f.dims : f.dims / 2) {
-    shared_ = std::all_of(first.begin(), first.end(), [&](int64_t x) { return x == first[0]; });
+    shared_ = !first.empty() && std::all_of(first.begin(), first.end(), [&](int64_t x) { return x == first[0]; });
     if (!shared_ || width_ == 0) return;
     table_.resize(static_cast<size_t>(2 * T * width_));
     parallel_for(T, num_threads, [&](int64_t t) { fill(first[0] + t, &table_[static_cast<size_t>(2 * t * width_)]); });
