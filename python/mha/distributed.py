@@ -266,17 +266,23 @@ def ring_attention(q, k, v, group=None, is_causal=False, scale=None, layout="zig
     if timeout is not None:
         timeout = datetime.timedelta(seconds=A.check_number(timeout, f"{name}: timeout", 0.0))
     ring = _Ring(group, timeout)
-    # Every rank checks every rank's shard shape, so a mismatch is an error everywhere (not a hang).
-    mine = torch.tensor(list(q.shape) + list(k.shape) + [v.shape[-1]], dtype=torch.int64)
-    shapes = [torch.empty_like(mine) for _ in range(ring.size)]
+    # Every rank checks every rank's shard shape and settings, so a mismatch is an error everywhere
+    # (not a hang, nor a silently wrong result). Shapes in float64 are exact below 2^53.
+    mine = torch.tensor(list(q.shape) + list(k.shape) + [v.shape[-1], float(bool(is_causal)), LAYOUTS.index(layout),
+                                                         float(scale)], dtype=torch.float64)
+    gathered = [torch.empty_like(mine) for _ in range(ring.size)]
     try:
-        dist.all_gather(shapes, mine, group=group)
+        dist.all_gather(gathered, mine, group=group)
     except RuntimeError as e:
         raise Error(f"{name}: rank {ring.rank} of {ring.size}: exchanging shard shapes failed: {e}") from None
-    if any(not torch.equal(s, mine) for s in shapes):
-        listed = ", ".join(f"rank {r}: q {tuple(s[:4].tolist())} k {tuple(s[4:8].tolist())}"
-                           for r, s in enumerate(shapes))
+    if any(not torch.equal(s[:9], mine[:9]) for s in gathered):
+        listed = ", ".join(f"rank {r}: q {tuple(int(x) for x in s[:4])} k {tuple(int(x) for x in s[4:8])}"
+                           for r, s in enumerate(gathered))
         raise Error(f"{name}: every rank must hold a shard of the same shape (uneven shards); got {listed}")
+    if any(not torch.equal(s[9:], mine[9:]) for s in gathered):
+        listed = ", ".join(f"rank {r}: is_causal={bool(s[9])}, layout={LAYOUTS[int(s[10])]!r}, scale={float(s[11])}"
+                           for r, s in enumerate(gathered))
+        raise Error(f"{name}: every rank must pass the same is_causal, layout and scale; got {listed}")
     if is_causal and layout == "zigzag" and q.shape[2] % 2:
         raise Error(f"{name}: a zigzag shard holds two equal chunks, so its length must be even; got {q.shape[2]}")
     q, k, v = (x.contiguous() for x in (q, k, v))

@@ -1,7 +1,7 @@
 """mha.distributed.ring_attention across processes: 2 and 4 ranks on 127.0.0.1 (gloo over a
 file store), outputs and gradients against single-process attention, and the failures: uneven
-shards, bad layouts, a rank that dies. Each run spawns its ranks once and goes through all of its
-cases there (starting a process costs a torch import).
+shards, ranks that disagree on the settings, bad layouts, a rank that dies. Each run spawns its
+ranks once and goes through all of its cases there (starting a process costs a torch import).
 
 Bound (docs/numerics.md, "Ring attention"): against torch's float64 attention over the whole
 sequence, the ring's error is at most twice that of mha's own single-process float32 attention
@@ -83,6 +83,11 @@ def _failures_worker(rank, world, store, result):
     uneven = torch.randn(1, 2, 8 + 2 * rank, 4)
     with pytest.raises(mha.Error, match=r"uneven shards.*rank 0: q \(1, 2, 8, 4\).*rank 1: q \(1, 2, 10, 4\)"):
         md.ring_attention(uneven, uneven, uneven)
+    with pytest.raises(mha.Error, match=r"same is_causal, layout and scale.*rank 0: is_causal=False.*rank 1: "
+                                        r"is_causal=True"):
+        md.ring_attention(q, q, q, is_causal=rank == 1)
+    with pytest.raises(mha.Error, match=r"same is_causal, layout and scale.*scale=0\.5.*scale=1\.0"):
+        md.ring_attention(q, q, q, scale=0.5 + rank / 2)
     odd = torch.randn(1, 2, 5, 4)
     with pytest.raises(mha.Error, match="zigzag shard .* even; got 5"):
         md.ring_attention(odd, odd, odd, is_causal=True)
