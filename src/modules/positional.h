@@ -32,7 +32,7 @@ void check_rotary(const RotaryConfig& r, int64_t head_dim);
 RotaryFreqs rotary_freqs(const RotaryConfig& r);
 
 // One view's per-head transform: its rows from src, normalised with norm_weight (QK-norm; null:
-// none, then dst must be src), into dst (B, H, T, D).
+// none, the rows copied when dst is not src), into dst (B, H, T, D).
 struct HeadTransform {
   View<const float> src;
   View<float> dst;
