@@ -12,9 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/flash.h"
+#include "kernels/cpu/qk_rows.h"
 #include "mha/attention.h"
 #include "mha/kv_cache.h"
-#include "kernels/cpu/flash.h"
 #include "mha/multi_head_attention.h"
 #include "modules/positional.h"
 #include "test_util.h"
@@ -456,6 +457,46 @@ TEST_P(PositionalRows, EqualFloat64Reference) {
         const double tol = (32.0 * static_cast<double>(H) + 16) * u * dw_mag[d] + 0.5 * u;
         ASSERT_NEAR(dw.data<float>()[d], 0.5 + dw_ref[d], tol) << GetParam() << " trial " << trial << " dw " << d;
       }
+    }
+  }
+}
+
+// The same row gives the same bits wherever its buffers lie (docs/numerics.md, "Same bits"):
+// the row kernels with x, g, dw (backward) or in, out (forward) placed at many distances from
+// each other in one buffer. Built with GCC's default FMA contraction, the backward at D = 8
+// differed for two placements in three: the compiler versions a loop by pointer checks and fused
+// its two copies differently.
+TEST_P(PositionalRows, SameBitsAtAnyAddress) {
+  Rng rng(base_seed() + 151);
+  for (const int64_t D : {2, 6, 8, 12, 16, 30, 72}) {
+    std::vector<float> x0(static_cast<size_t>(D)), g0(x0), w(x0), c(x0), sn(x0);
+    for (int64_t d = 0; d < D; ++d) {
+      x0[d] = rng.normal(), g0[d] = rng.normal(), w[d] = rng.normal();
+      c[d] = std::cos(0.3f * d), sn[d] = std::sin(0.3f * d);
+    }
+    for (const bool rotate : {false, true}) {
+      const kernels::RowRotation r{c.data(), sn.data(), rotate ? D / 2 : 0, false};
+      std::vector<float> want_g, want_y;
+      int placements = 0;
+      for (int64_t gap = -3 * D; gap <= 3 * D; gap += 1 + D / 8) {
+        for (int64_t dw_gap = -3 * D; dw_gap <= 3 * D; dw_gap += 1 + D / 3) {
+          if (std::abs(gap) < D || std::abs(dw_gap) < D || std::abs(gap - dw_gap) < D) continue;  // disjoint rows
+          std::vector<float> buf(static_cast<size_t>(8 * D), 0.0f);
+          float* x = buf.data() + 4 * D;
+          float* g = x + gap;
+          float* dw = x + dw_gap;
+          std::copy(x0.begin(), x0.end(), x), std::copy(g0.begin(), g0.end(), g);
+          kernels::qk_rows_backward(x, D, g, D, 1, D, w.data(), 1e-6f, r, dw);
+          const std::vector<float> got_g(g, g + D);
+          // The forward: x → g's place (out of place), dw's place unused.
+          kernels::qk_rows_forward(x, D, g, D, 1, D, w.data(), 1e-6f, r);
+          const std::vector<float> got_y(g, g + D);
+          if (placements++ == 0) want_g = got_g, want_y = got_y;
+          ASSERT_EQ(got_g, want_g) << GetParam() << " D " << D << " gap " << gap << " dw_gap " << dw_gap;
+          ASSERT_EQ(got_y, want_y) << GetParam() << " D " << D << " gap " << gap;
+        }
+      }
+      ASSERT_GT(placements, 10);
     }
   }
 }
