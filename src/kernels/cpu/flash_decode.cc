@@ -462,7 +462,7 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
     if (parts == 1 && !p.sinks && p.out_stride[3] == 1 && std::isfinite(m[r]) && std::isfinite(l[r]) && l[r] > 0.0f) {
       // One chunk and a finite row: the general code's weight is exp2(0) = 1 and its quotient
       // in double, rounded to float, is the float quotient (both correctly rounded): the same
-      // bits, without the double accumulator (a third of a small call's time).
+      // bits, without the double accumulator (a sixth of a small call's time, measured).
       const float* orow = o + r * static_cast<int64_t>(dvp);
       const size_t Dv = static_cast<size_t>(p.head_dim_v);
       bool nonfinite;
