@@ -213,41 +213,49 @@ def _run_forward(p, kind, dropout_p, seed, num_threads, backend, want_lse, want_
 
 _FAST_BACKENDS = ("auto", "reference", "fast")
 _FAST_NUMPY = ("f", "e")  # dtype.char of float32, float16 (a string test: dtype == dtype is slow)
-_fast_torch = None  # float32, bfloat16, float16 and bool, float32 (masks) once torch is seen
+# Once torch is seen: (torch.Tensor, its float dtypes, mask dtypes, torch.bool, is_grad_enabled, to_dlpack).
+_fast_torch = None
 
 
 def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align, num_threads, backend):
     """The common call with only the checks the C++ side does not make itself: rank-4 (B, H, T, E)
-    query, key and value of one kind, dtype and batch size, an optional rank-4 mask that broadcasts
-    by size-1 dimensions (bool, or float32), no extras, no gradient. Decoding makes one call per
-    layer and token, and the general path's Python was most of a small call's time. Returns None
-    for any other call: the general path then decides, errors included."""
+    query, key and value of one kind (exactly numpy.ndarray or torch.Tensor, C-contiguous numpy),
+    dtype and batch size, an optional rank-4 mask that broadcasts by size-1 dimensions (bool, or
+    float32), no extras, no gradient. Decoding makes one call per layer and token, and the general
+    path's Python was most of a small call's time. Returns None for any other call: the general
+    path then decides, errors included."""
     global _fast_torch
-    torch = A.torch_module()
-    if torch is not None and isinstance(query, torch.Tensor):
-        if _fast_torch is None:
-            _fast_torch = ((torch.float32, torch.bfloat16, torch.float16), (torch.bool, torch.float32))
-        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
-            return None
-        if query.dtype not in _fast_torch[0] or not (query.is_cpu and key.is_cpu and value.is_cpu):
-            return None
-        if attn_mask is not None and not (isinstance(attn_mask, torch.Tensor) and attn_mask.is_cpu and
-                                          attn_mask.dtype in _fast_torch[1]):
-            return None
-        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad or
-                                        (attn_mask is not None and attn_mask.requires_grad)):
-            return None
-        new, is_bool = torch.empty, attn_mask is not None and attn_mask.dtype == torch.bool
-    elif type(query) is np.ndarray:
+    kind = type(query)
+    if kind is np.ndarray:
         if (type(key) is not np.ndarray or type(value) is not np.ndarray or query.dtype.char not in _FAST_NUMPY
                 or not query.dtype.isnative):  # a byte-swapped float32 is the general path's error
+            return None
+        # Arrays the extension reads as they are (A.native copies negative or fractional strides).
+        if not (query.flags.c_contiguous and key.flags.c_contiguous and value.flags.c_contiguous):
             return None
         if attn_mask is not None and not (type(attn_mask) is np.ndarray and
                                           (attn_mask.dtype == np.bool_ or attn_mask.dtype == np.float32)):
             return None
-        new, is_bool = np.empty, attn_mask is not None and attn_mask.dtype == np.bool_
+        is_bool = attn_mask is not None and attn_mask.dtype == np.bool_
     else:
-        return None
+        if _fast_torch is None:
+            torch = A.torch_module()
+            if torch is None:
+                return None
+            _fast_torch = (torch.Tensor, {torch.float32, torch.bfloat16, torch.float16}, {torch.bool, torch.float32},
+                           torch.bool, torch.is_grad_enabled, A.to_dlpack_of(torch))
+        tensor, floats, masks, bool_, grad_enabled, _ = _fast_torch
+        if kind is not tensor or type(key) is not tensor or type(value) is not tensor:
+            return None  # subclasses (Parameter, tensor-likes) take the general path
+        if query.dtype not in floats or not (query.is_cpu and key.is_cpu and value.is_cpu):
+            return None
+        if attn_mask is not None and not (type(attn_mask) is tensor and attn_mask.is_cpu and
+                                          attn_mask.dtype in masks):
+            return None
+        if (query.requires_grad or key.requires_grad or value.requires_grad or
+                (attn_mask is not None and attn_mask.requires_grad)) and grad_enabled():
+            return None
+        is_bool = attn_mask is not None and attn_mask.dtype is bool_
     dtype = query.dtype
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or (key.dtype is not dtype and key.dtype != dtype) or (
             value.dtype is not dtype and value.dtype != dtype):
@@ -261,22 +269,26 @@ def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align
     if attn_mask is not None:
         if attn_mask.ndim != 4 or any(m != 1 and m != t for m, t in zip(attn_mask.shape, (B, Hq, L, S))):
             return None
-        attn_mask = A.expand(attn_mask, (B, Hq, L, S))
+        attn_mask = A.native(A.expand(attn_mask, (B, Hq, L, S)))
     if scale is not None and not (type(scale) is float and math.isfinite(scale)):
         return None
     if align is None or type(is_causal) is not bool or backend not in _FAST_BACKENDS:
         return None
     if type(num_threads) is not int or not 0 <= num_threads <= _mha.MAX_THREADS:
         return None
-    out = new((B, Hq, L, value.shape[3]), dtype=dtype)
     # Arguments by position (keyword matching costs the extension call ~0.3 µs); q, k, v and out
-    # as DLPack capsules (torch: no gradient is needed here, so no detach) or numpy arrays.
-    n = A.native
-    pack = n if new is np.empty else A.to_dlpack_of(torch)
-    mask = n(attn_mask)
-    _mha.attention(pack(query), pack(key), pack(value), pack(out), mask if is_bool else None,
-                   None if is_bool else mask, None, None, None, scale, align if is_causal else 0, 0, 0.0, 0,
-                   num_threads, backend)
+    # as numpy arrays, or as DLPack capsules made in C (no gradient is needed here, so no detach;
+    # new_empty is ~1 µs cheaper than torch.empty).
+    if kind is np.ndarray:
+        out = np.empty((B, Hq, L, value.shape[3]), dtype=dtype)
+        _mha.attention(query, key, value, out, attn_mask if is_bool else None, None if is_bool else attn_mask, None,
+                       None, None, scale, align if is_causal else 0, 0, 0.0, 0, num_threads, backend)
+    else:
+        out = query.new_empty((B, Hq, L, value.shape[3]))
+        pack = _fast_torch[5]
+        _mha.attention(pack(query), pack(key), pack(value), pack(out), attn_mask if is_bool else None,
+                       None if is_bool else attn_mask, None, None, None, scale, align if is_causal else 0, 0, 0.0,
+                       0, num_threads, backend)
     return out
 
 

@@ -222,3 +222,33 @@ def test_the_small_call_path_agrees_with_the_general_one(rng, monkeypatch, kind,
     np.testing.assert_array_equal(np.asarray(fast), np.asarray(general))
     with pytest.raises(AssertionError, match="general path"):  # grouped heads without enable_gqa: its error
         mha.scaled_dot_product_attention(*args[:3])
+
+
+@pytest.mark.parametrize("view", ["transposed", "reversed", "parameter"])
+def test_the_small_call_path_hands_on_what_it_does_not_take(rng, monkeypatch, view):
+    """Views the small call path does not read as they are (non-contiguous numpy arrays, negative
+    strides) and torch.Tensor subclasses go to the general path, which gives the result of the
+    same values in a contiguous array."""
+    from mha import functional
+    q, k, v = normal(rng, (2, 9, 4, 8)), normal(rng, (2, 11, 4, 8)), normal(rng, (2, 11, 4, 8))
+    if view == "transposed":  # (B, T, H, D) memory read as (B, H, T, D), as models hold it
+        args = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]
+    elif view == "reversed":
+        args = [np.ascontiguousarray(x.transpose(0, 2, 1, 3))[:, :, ::-1] for x in (q, k, v)]
+    else:
+        args = [torch.nn.Parameter(torch.from_numpy(x.transpose(0, 2, 1, 3).copy()), requires_grad=False)
+                for x in (q, k, v)]
+    want = mha.scaled_dot_product_attention(*[np.ascontiguousarray(np.asarray(a.detach() if view == "parameter"
+                                                                                else a)) for a in args],
+                                            is_causal=True)
+    prepared = []
+    general = functional._prepare
+
+    def counted(*a, **kw):
+        prepared.append(1)
+        return general(*a, **kw)
+
+    monkeypatch.setattr(functional, "_prepare", counted)
+    got = mha.scaled_dot_product_attention(*args, is_causal=True)
+    assert prepared, "the small call path took a view it reads wrongly"
+    np.testing.assert_array_equal(np.asarray(got.detach() if view == "parameter" else got), want)
