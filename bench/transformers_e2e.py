@@ -12,22 +12,38 @@ is the fastest of --repeats runs, the implementations taking turns within each r
 on a shared machine only ever add time); "eager" skips 8192 tokens (its T x T weights per layer
 take minutes there).
 
+With --bound, the prefill cases also run "free": an attention function that computes nothing
+(it returns zeros of the output's shape), so sdpa's time over free's is the most any attention
+implementation could gain end to end in that case (the rest of the model is the same work).
+
 And the fixed cost of one call (measured first): mha.scaled_dot_product_attention on tiny inputs (numpy and torch)
 against torch's SDPA, µs per call.
 
   python bench/transformers_e2e.py [--repeats 2] [--dtypes float32 bfloat16] [--json out.json] [--calls-only]
+                                   [--bound]
 """
 import argparse
 import json
 import time
 
 import torch
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import mha.integrations.transformers  # noqa: F401  (registers "mha")
 
 THREADS = 2
 IMPLS = ("mha", "sdpa", "eager")
+
+
+def free_attention(module, query, key, value, attention_mask, **kwargs):
+    """No attention at all: zeros of the (B, T, H, Dv) output transformers expects, no weights."""
+    B, H, T, _ = query.shape
+    return query.new_zeros((B, T, H, value.shape[-1])), None
+
+
+AttentionInterface.register("free", free_attention)
+AttentionMaskInterface.register("free", sdpa_mask)
 
 
 def llama(dtype):
@@ -57,7 +73,7 @@ def interleaved(model, impls, fn, repeats):
     return times
 
 
-def run(dtypes, repeats):
+def run(dtypes, repeats, bound=False):
     rows = []
     g = torch.Generator().manual_seed(0)
     for dtype_name in dtypes:
@@ -66,7 +82,7 @@ def run(dtypes, repeats):
         name = f"llama {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M"
         for T in (512, 2048, 8192):
             ids = torch.randint(3, 32000, (1, T), generator=g)
-            impls = [i for i in IMPLS if i != "eager" or T <= 2048]
+            impls = [i for i in IMPLS if i != "eager" or T <= 2048] + (["free"] if bound else [])
             with torch.no_grad():
                 for impl in impls:  # warm-up
                     model.set_attn_implementation(impl)
@@ -145,7 +161,9 @@ def call_overhead():
 
 
 def table(rows):
-    lines = ["| model | dtype | case | mha | sdpa | eager | mha / sdpa |", "|---|---|---|---|---|---|---|"]
+    bound = any(r["impl"] == "free" for r in rows)
+    lines = ["| model | dtype | case | mha | sdpa | eager | mha / sdpa |" + (" bound: free / sdpa |" if bound else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if bound else "")]
     keys = []
     for r in rows:
         k = (r["model"], r["dtype"], r["case"])
@@ -155,7 +173,10 @@ def table(rows):
         cell = {r["impl"]: r for r in rows if (r["model"], r["dtype"], r["case"]) == k}
         fmt = lambda i: f"{cell[i]['rate']:.2f} {cell[i]['unit']}" if i in cell else "—"  # noqa: E731
         ratio = cell["mha"]["rate"] / cell["sdpa"]["rate"]
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {fmt('mha')} | {fmt('sdpa')} | {fmt('eager')} | {ratio:.2f}× |")
+        line = f"| {k[0]} | {k[1]} | {k[2]} | {fmt('mha')} | {fmt('sdpa')} | {fmt('eager')} | {ratio:.2f}× |"
+        if bound:
+            line += f" {cell['free']['rate'] / cell['sdpa']['rate']:.2f}× |" if "free" in cell else " — |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -165,10 +186,11 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--json")
     ap.add_argument("--calls-only", action="store_true", help="only the per-call overhead table")
+    ap.add_argument("--bound", action="store_true", help="prefill also without attention (the most it can gain)")
     a = ap.parse_args()
     torch.set_num_threads(THREADS)
     calls = call_overhead()
-    rows = run(a.dtypes, a.repeats) if not a.calls_only else []
+    rows = run(a.dtypes, a.repeats, a.bound) if not a.calls_only else []
     print("| call | mha numpy | mha torch | torch sdpa |\n|---|---|---|---|")
     for name, c in calls:
         print(f"| {name} | {c['mha numpy']:.1f} µs | {c['mha torch']:.1f} µs | {c['torch sdpa']:.1f} µs |")

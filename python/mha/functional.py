@@ -257,12 +257,14 @@ def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align
             return None
         is_bool = attn_mask is not None and attn_mask.dtype is bool_
     dtype = query.dtype
-    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or (key.dtype is not dtype and key.dtype != dtype) or (
+    qshape, kshape, vshape = query.shape, key.shape, value.shape  # each access makes a new tuple
+    if len(qshape) != 4 or len(kshape) != 4 or len(vshape) != 4 or (key.dtype is not dtype and key.dtype != dtype) or (
             value.dtype is not dtype and value.dtype != dtype):
         return None
-    B, Hq, L, E = query.shape
-    _, Hk, S, Ek = key.shape
-    if key.shape[0] != B or value.shape[0] != B or value.shape[1] != Hk or value.shape[2] != S or Ek != E:
+    B, Hq, L, E = qshape
+    Bk, Hk, S, Ek = kshape
+    Bv, Hv, Sv, Ev = vshape
+    if Bk != B or Bv != B or Hv != Hk or Sv != S or Ek != E:
         return None
     if Hk != Hq and Hk != 1 and not (enable_gqa and Hk > 0 and Hq % Hk == 0):
         return None
@@ -280,11 +282,11 @@ def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align
     # as numpy arrays, or as DLPack capsules made in C (no gradient is needed here, so no detach;
     # new_empty is ~1 µs cheaper than torch.empty).
     if kind is np.ndarray:
-        out = np.empty((B, Hq, L, value.shape[3]), dtype=dtype)
+        out = np.empty((B, Hq, L, Ev), dtype=dtype)
         _mha.attention(query, key, value, out, attn_mask if is_bool else None, None if is_bool else attn_mask, None,
                        None, None, scale, align if is_causal else 0, 0, 0.0, 0, num_threads, backend)
     else:
-        out = query.new_empty((B, Hq, L, value.shape[3]))
+        out = query.new_empty((B, Hq, L, Ev))
         pack = _fast_torch[5]
         _mha.attention(pack(query), pack(key), pack(value), pack(out), attn_mask if is_bool else None,
                        None if is_bool else attn_mask, None, None, None, scale, align if is_causal else 0, 0, 0.0,

@@ -42,6 +42,8 @@ class Workspace {
     // MultiHeadAttention training with QK-norm (src/modules/multi_head_attention_internal.h): q and
     // k after QK-norm and rotary, token-major, around the attention calls of a forward or backward.
     kModuleNormedQuery, kModuleNormedKey,
+    // attention() (src/ops/attention.cc): keys and values gathered head-major for the forward.
+    kGatherKey, kGatherValue,
     kSlots
   };
 
@@ -70,6 +72,19 @@ class Workspace {
     std::free(data_[slot]);
     data_[slot] = nullptr;
     size_[slot] = 0;
+  }
+
+  // The most bytes a thread keeps across calls in slots that may hold O(sequence) data (the
+  // varlen and QK-norm slots): fresh pages cost ~1.6 µs each, so a call's scratch is reused, but
+  // one long call should not pin its memory for the thread's life.
+  static constexpr size_t kKeepBytes = size_t{256} << 20;
+
+  // Frees slots first .. last (inclusive) if together they hold more than kKeepBytes.
+  void trim(Slot first, Slot last) {
+    size_t total = 0;
+    for (int s = first; s <= last; ++s) total += size_[s];
+    if (total <= kKeepBytes) return;
+    for (int s = first; s <= last; ++s) release(static_cast<Slot>(s));
   }
 
   size_t size(Slot slot) const { return size_[slot]; }

@@ -111,7 +111,7 @@ View<const T> view_or_empty(const Tensor& t) {
 // forward fills them for its attention call and the backward recomputes them for its own (one
 // more pass over q and k, ~1.4 ms at gpt2-512 on 2 threads) — fresh buffers kept in the tape cost
 // more: 2 × 6 MiB of new pages per step, ~7 ms of page faults. Released at the end of a call when
-// they hold more than kKeepScratch bytes.
+// they hold more than Workspace::kKeepBytes.
 class NormalizedQk {
  public:
   NormalizedQk(const Layout& lq, const Layout& lk, int64_t Hq, int64_t Hk, int64_t D) {
@@ -124,12 +124,7 @@ class NormalizedQk {
   NormalizedQk(const NormalizedQk&) = delete;
   NormalizedQk& operator=(const NormalizedQk&) = delete;
   ~NormalizedQk() {
-    constexpr size_t kKeepScratch = size_t{256} << 20;  // per thread, across calls
-    auto& ws = kernels::Workspace::local();
-    if (ws.size(kernels::Workspace::kModuleNormedQuery) + ws.size(kernels::Workspace::kModuleNormedKey) > kKeepScratch) {
-      ws.release(kernels::Workspace::kModuleNormedQuery);
-      ws.release(kernels::Workspace::kModuleNormedKey);
-    }
+    kernels::Workspace::local().trim(kernels::Workspace::kModuleNormedQuery, kernels::Workspace::kModuleNormedKey);
   }
 
   View<float> q, k;

@@ -4,7 +4,7 @@
 // (1, H, n, D) views, rows of one head lie H·D elements apart (4 KiB for H·D = 1024, so they
 // collide in the caches' sets), which cost the kernels 1.5× in time (`mha bench --varlen`); the
 // copies are O(n·H·D) against the O(n²·H·D) of attention. The scratch is this thread's
-// Workspace, kept across calls up to kKeepScratch bytes (fresh pages cost ~3 µs each here: the
+// Workspace, kept across calls up to Workspace::kKeepBytes (fresh pages cost ~3 µs each here: the
 // first touch of 32 MiB would be ~25 ms).
 #include "mha/varlen.h"
 
@@ -22,10 +22,9 @@ namespace mha {
 namespace {
 
 using kernels::Workspace;
-constexpr size_t kKeepScratch = size_t{256} << 20;  // per thread, across calls
 
 // Head-major (1, H, n, D) scratch of T in a Workspace slot; released when the call ends if the
-// thread's varlen scratch then exceeds kKeepScratch.
+// thread's varlen scratch then exceeds Workspace::kKeepBytes.
 template <typename T>
 View<T> scratch(Workspace::Slot slot, int64_t H, int64_t n, int64_t D) {
   T* p = Workspace::local().get<T>(slot, static_cast<size_t>(H * n * D));
@@ -33,15 +32,7 @@ View<T> scratch(Workspace::Slot slot, int64_t H, int64_t n, int64_t D) {
 }
 
 struct ScratchRelease {
-  ~ScratchRelease() {
-    Workspace& ws = Workspace::local();
-    size_t bytes = 0;
-    for (int s = Workspace::kVarlenQuery; s <= Workspace::kVarlenGradValue; ++s)
-      bytes += ws.size(static_cast<Workspace::Slot>(s));
-    if (bytes <= kKeepScratch) return;
-    for (int s = Workspace::kVarlenQuery; s <= Workspace::kVarlenGradValue; ++s)
-      ws.release(static_cast<Workspace::Slot>(s));
-  }
+  ~ScratchRelease() { Workspace::local().trim(Workspace::kVarlenQuery, Workspace::kVarlenGradValue); }
 };
 
 // Rows [start, start + t.shape[2]) of x (total, H, D) into the head-major t (1, H, n, D), on
