@@ -113,6 +113,10 @@ struct AttentionOptions {
 
 // Throws mha::Error naming the argument and shapes on any inconsistency. Outputs must not
 // overlap the inputs. One overload per element type (see "Element types" above).
+// Memory: O(T·D) scratch per thread, kept for the thread's next call; keys and values of
+// >= 1024 rows that are not adjacent in memory (e.g. (B, T, H, D) projections seen as heads)
+// are first copied head-major into up to 64 MiB more of the calling thread's scratch, kept
+// like the rest (the kernel reads them faster; the result has the same bits).
 void attention(const AttentionInputs& in, const AttentionOutputs& out, const AttentionOptions& options = {});
 void attention(const BasicAttentionInputs<bfloat16>& in, const BasicAttentionOutputs<bfloat16>& out,
                const AttentionOptions& options = {});
