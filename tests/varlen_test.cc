@@ -128,6 +128,63 @@ TEST(Varlen, EachSequenceAsIfAlone) {
   }
 }
 
+// Many heads and sequences of many queries: varlen runs them as (sequence, kv head) tasks of one
+// thread each (ops/varlen.cc), decode-like ones whole. Still the bits of each sequence alone,
+// for every thread count, with ALiBi per sequence, softcap, windows and tile-edge head dims.
+TEST(Varlen, HeadTasksGiveEachSequenceAloneBits) {
+  Rng rng(base_seed() + 903);
+  for (int trial = 0; trial < 8; ++trial) {
+    Packed p;
+    p.Hkv = rng.range(1, 4);
+    p.Hq = p.Hkv * (int64_t{1} << rng.range(0, 2));
+    p.D = rng.range(1, 3) * 32 + rng.range(-1, 1);
+    p.Dv = rng.coin() ? p.D : rng.range(1, 80);
+    const int64_t G = p.Hq / p.Hkv;
+    for (int s = 0; s < 10; ++s) {  // sizes within 2.8× of each other: the tasks balance
+      p.nq.push_back(rng.range(150, 250));
+      p.nk.push_back(rng.coin(0.3) ? p.nq.back() + rng.range(0, 40) : p.nq.back());
+    }
+    p.nq.push_back(rng.range(1, 16 / G));  // decode-like: runs whole
+    p.nk.push_back(rng.range(1, 300));
+    p.nq.push_back(0);
+    p.nk.push_back(rng.range(0, 5));
+    p.make(rng);
+    const int64_t S = static_cast<int64_t>(p.nq.size());
+    Tensor slopes = random_tensor(rng, {S, p.Hq}, 0.1f);
+    if (rng.coin()) p.in.alibi_slopes = slopes.view<float>();
+    AttentionOptions opt;
+    opt.causal = static_cast<Causal>(rng.range(0, 2));
+    if (opt.causal != Causal::kNone && rng.coin(0.3)) opt.window = rng.range(1, 60);
+    if (rng.coin(0.3)) opt.softcap = 5.0f;
+    const int64_t total_q = p.q.shape()[0];
+    std::vector<Tensor> outs;
+    for (int threads : {1, 2, 3}) {
+      SCOPED_TRACE("trial " + std::to_string(trial) + " threads " + std::to_string(threads));
+      opt.num_threads = threads;
+      Tensor out(DType::kF32, {total_q, p.Hq, p.Dv}), lse(DType::kF32, {p.Hq, total_q});
+      varlen_attention(p.in, out.view<float>(), lse.view<float>(), opt);
+      for (int64_t s = 0; s < S; ++s) {
+        SCOPED_TRACE("sequence " + std::to_string(s) + " nq " + std::to_string(p.nq[s]) + " nk " +
+                     std::to_string(p.nk[s]) + " D " + std::to_string(p.D) + " Dv " + std::to_string(p.Dv));
+        const Tensor qs = to_heads(p.q, p.q0(s), p.nq[s]), ks = to_heads(p.k, p.k0(s), p.nk[s]);
+        const Tensor vs = to_heads(p.v, p.k0(s), p.nk[s]);
+        AttentionInputs alone{qs.view<float>(), ks.view<float>(), vs.view<float>()};
+        if (p.in.alibi_slopes.given()) alone.alibi_slopes = View<const float>(slopes.data<float>() + s * p.Hq, {p.Hq});
+        Tensor want(DType::kF32, {1, p.Hq, p.nq[s], p.Dv}), want_lse(DType::kF32, {1, p.Hq, p.nq[s]});
+        attention(alone, {want.view<float>(), want_lse.view<float>()}, opt);
+        expect_rows_equal(out, p.q0(s), want, "out");
+        int64_t differ = 0;
+        for (int64_t h = 0; h < p.Hq; ++h)
+          for (int64_t i = 0; i < p.nq[s]; ++i) {
+            const float a = lse.view<float>().at(h, p.q0(s) + i), b = want_lse.view<float>().at(0, h, i);
+            differ += !(a == b || (std::isnan(a) && std::isnan(b)));
+          }
+        EXPECT_EQ(differ, 0) << "lse";
+      }
+    }
+  }
+}
+
 TEST(Varlen, SequencesWithoutKeysGiveZeros) {
   Rng rng(base_seed() + 901);
   Packed p;

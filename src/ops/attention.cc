@@ -2,7 +2,6 @@
 #include "mha/attention.h"
 
 #include <cmath>
-#include <cstring>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -12,6 +11,7 @@
 #include "kernels/workspace.h"
 #include "ops/attention_internal.h"
 #include "ops/attention_checks.h"
+#include "ops/rows.h"
 #include "util/check.h"
 #include "util/convert.h"
 #include "util/parallel.h"
@@ -34,15 +34,14 @@ constexpr int64_t kGatherMaxBytes = int64_t{64} << 20;
 
 bool rows_apart(const kernels::Strides4& s, int64_t width) { return s[3] == 1 && s[2] != width; }
 
-// Rows [0, S) × W elements of `es` bytes of every (b, h) plane of src (element strides s) into
-// dst, head-major and contiguous: plane (b, h) at (b·H + h)·S·W.
-void gather_planes(const void* src, const kernels::Strides4& s, int64_t B, int64_t H, int64_t S, int64_t W,
-                   size_t es, char* dst, int num_threads) {
-  parallel_for(B * H, num_threads, [&](int64_t bh) {
-    const int64_t e = static_cast<int64_t>(es);  // element offsets fit: the views were checked
-    const char* plane = static_cast<const char*>(src) + ((bh / H) * s[0] + (bh % H) * s[1]) * e;
-    char* out = dst + bh * S * W * e;
-    for (int64_t j = 0; j < S; ++j) std::memcpy(out + j * W * e, plane + j * s[2] * e, static_cast<size_t>(W * e));
+// Rows [0, S) × W elements of every (b, h) plane of src (element strides s; elements of 2 or 4
+// bytes, copied as such) into dst, head-major and contiguous: plane (b, h) at (b·H + h)·S·W.
+template <typename Bits>
+void gather_planes(const void* src, const kernels::Strides4& s, int64_t B, int64_t H, int64_t S, int64_t W, void* dst,
+                   int num_threads) {
+  parallel_for(B * H, num_threads, [&](int64_t bh) {  // element offsets fit: the views were checked
+    ops::gather_rows(static_cast<const Bits*>(src) + (bh / H) * s[0] + (bh % H) * s[1], s[2], s[3], S, W,
+                     static_cast<Bits*>(dst) + bh * S * W);
   });
 }
 
@@ -61,8 +60,9 @@ kernels::AttentionParams with_gathered_kv(const kernels::AttentionParams& p, int
   char* vd = ws.get<char>(kernels::Workspace::kGatherValue, static_cast<size_t>(vn * es));
   kernels::AttentionParams g = p;
   const int64_t S = p.kv_len, D = p.head_dim_qk, Dv = p.head_dim_v;
-  gather_planes(p.k, p.k_stride, p.batch, p.kv_heads, S, D, static_cast<size_t>(es), kd, num_threads);
-  gather_planes(p.v, p.v_stride, p.batch, p.kv_heads, S, Dv, static_cast<size_t>(es), vd, num_threads);
+  const auto gather = es == 2 ? gather_planes<uint16_t> : gather_planes<uint32_t>;
+  gather(p.k, p.k_stride, p.batch, p.kv_heads, S, D, kd, num_threads);
+  gather(p.v, p.v_stride, p.batch, p.kv_heads, S, Dv, vd, num_threads);
   g.k = kd;
   g.v = vd;
   g.k_stride = {p.kv_heads * S * D, S * D, D, 1};

@@ -1,20 +1,27 @@
 // varlen_attention(): checks the packed layout, then runs attention() / attention_backward() on
-// each sequence — no padding. Sequences run one after another, each with every thread. A
-// sequence's rows are copied into head-major (1, H, n, D) scratch first: read in place through
-// (1, H, n, D) views, rows of one head lie H·D elements apart (4 KiB for H·D = 1024, so they
-// collide in the caches' sets), which cost the kernels 1.5× in time (`mha bench --varlen`); the
-// copies are O(n·H·D) against the O(n²·H·D) of attention. The scratch is this thread's
-// Workspace, kept across calls up to Workspace::kKeepBytes (fresh pages cost ~3 µs each here: the
-// first touch of 32 MiB would be ~25 ms).
+// each sequence — no padding. Keys and values are read from head-major scratch: read in place
+// through (1, H, n, D) views, rows of one head lie H·D elements apart (4 KiB for H·D = 1024, so
+// they collide in the caches' sets), which cost the kernels 1.5× in time (`mha bench --varlen`);
+// the copies are O(n·H·D) against the O(n²·H·D) of attention.
+//  - The forward of sequences of many queries: one task per (sequence, kv head) on one thread,
+//    costliest first; a task copies its head's keys and values (they then stay in its core's
+//    L2), reads its query heads and writes their output in place.
+//  - The rest (the backward, decode-like sequences, dropout, too few tasks for the threads): one
+//    call per sequence on every thread, its rows copied into (1, H, n, D) scratch row by row.
+// The scratch is the running thread's Workspace, kept across calls up to Workspace::kKeepBytes
+// (fresh pages cost ~3 µs each here: the first touch of 32 MiB would be ~25 ms).
 #include "mha/varlen.h"
 
 #include <algorithm>
 #include <new>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
+#include "kernels/cpu/flash.h"
 #include "kernels/workspace.h"
+#include "ops/rows.h"
 #include "util/check.h"
 #include "util/parallel.h"
 
@@ -31,43 +38,41 @@ View<T> scratch(Workspace::Slot slot, int64_t H, int64_t n, int64_t D) {
   return View<T>(p, {1, H, n, D});
 }
 
+constexpr int64_t kRowBlock = 64;  // rows per task of a gather or scatter
+
 struct ScratchRelease {
   ~ScratchRelease() { Workspace::local().trim(Workspace::kVarlenQuery, Workspace::kVarlenGradValue); }
 };
 
-// Rows [start, start + t.shape[2]) of x (total, H, D) into the head-major t (1, H, n, D), on
-// the caller's threads (row by row; a row is contiguous in the usual layouts).
+// Rows [start, start + n) of x (total, H, D) into H head-major planes at dst (plane h at
+// dst + h·n·D), on the caller's threads. Row by row: a row holds every head and is read in
+// memory order (head by head, rows H·D elements apart, each row is a page of its own: 1.8×
+// slower, measured at H·D = 1024).
+template <typename T>
+void gather_heads(const View<const T>& x, int64_t start, int64_t n, T* dst, int num_threads) {
+  const int64_t H = x.shape[1], D = x.shape[2];
+  parallel_for((n + kRowBlock - 1) / kRowBlock, num_threads, [&](int64_t blk) {
+    for (int64_t i = blk * kRowBlock; i < std::min(n, (blk + 1) * kRowBlock); ++i)
+      for (int64_t h = 0; h < H; ++h)
+        ops::gather_rows(x.data + (start + i) * x.stride[0] + h * x.stride[1], 0, x.stride[2], 1, D,
+                         dst + (h * n + i) * D);
+  });
+}
 template <typename T>
 View<T> gather_heads(const View<const T>& x, int64_t start, const View<T>& t, int num_threads) {
-  const int64_t H = x.shape[1], n = t.shape[2], D = x.shape[2];
-  parallel_for(H, num_threads, [&](int64_t h) {
-    for (int64_t i = 0; i < n; ++i) {
-      const T* src = x.data + (start + i) * x.stride[0] + h * x.stride[1];
-      T* dst = t.data + (h * n + i) * D;
-      if (x.stride[2] == 1) {
-        std::copy(src, src + D, dst);
-      } else {
-        for (int64_t e = 0; e < D; ++e) dst[e] = src[e * x.stride[2]];
-      }
-    }
-  });
+  gather_heads(x, start, t.shape[2], t.data, num_threads);
   return t;
 }
 
-// The head-major t (1, H, n, D) back into rows [start, start + n) of x (total, H, D).
+// The head-major t (1, H, n, D) back into rows [start, start + n) of x (total, H, D), row by row.
 template <typename T>
 void scatter_heads(const View<T>& t, const View<T>& x, int64_t start, int num_threads) {
   const int64_t H = x.shape[1], n = t.shape[2], D = x.shape[2];
-  parallel_for(H, num_threads, [&](int64_t h) {
-    for (int64_t i = 0; i < n; ++i) {
-      const T* src = t.data + (h * n + i) * D;
-      T* dst = x.data + (start + i) * x.stride[0] + h * x.stride[1];
-      if (x.stride[2] == 1) {
-        std::copy(src, src + D, dst);
-      } else {
-        for (int64_t e = 0; e < D; ++e) dst[e * x.stride[2]] = src[e];
-      }
-    }
+  parallel_for((n + kRowBlock - 1) / kRowBlock, num_threads, [&](int64_t blk) {
+    for (int64_t i = blk * kRowBlock; i < std::min(n, (blk + 1) * kRowBlock); ++i)
+      for (int64_t h = 0; h < H; ++h)
+        ops::scatter_rows(t.data + (h * n + i) * D, 1, D, x.data + (start + i) * x.stride[0] + h * x.stride[1], 0,
+                          x.stride[2]);
   });
 }
 
@@ -169,24 +174,114 @@ void for_each_sequence(const View<const int64_t>& cq, const View<const int64_t>&
   }
 }
 
+// Whether sequence s runs as per-head tasks (forward_by_head): the flash kernel cuts a call into
+// (batch, kv head, query block) tasks whatever the head count, so one kv head's call gives that
+// head's bits of the whole sequence's call. Not where the decode kernel would run (nq·G <=
+// kMaxDecodeRows: its key split depends on the head count), nor with dropout (its draws depend on
+// the head's index in the call), nor for elements not adjacent in a row.
+template <typename T>
+bool runs_by_head(const BasicVarlenInputs<T>& in, const View<T>& out, const AttentionOptions& options, int64_t nq) {
+  const int64_t G = in.query.shape[1] / in.key.shape[1];
+  return options.dropout_p == 0.0f && nq * G > kernels::kMaxDecodeRows && in.query.stride[2] == 1 &&
+         in.key.stride[2] == 1 && in.value.stride[2] == 1 && out.stride[2] == 1;
+}
+
+// Kv head hk of sequence s on this thread: its keys and values gathered into this thread's
+// Workspace (nk·(D + Dv) elements, which stay in this core's L2 while the kernel reads them
+// again for every query tile), its G query heads read and their output written in place.
+// (Gathering a wave of sequences' keys row by row on every thread first, then their tasks, was
+// slower: 8% over one by one against this one's 4%, best of eight alternations.)
+template <typename T>
+void forward_head(const BasicVarlenInputs<T>& in, const View<T>& out, const View<float>& lse,
+                  const AttentionOptions& options, int64_t s, int64_t hk) {
+  const auto& q = in.query;
+  const auto& k = in.key;
+  const auto& v = in.value;
+  const auto& cq = in.cu_seqlens_q;
+  const auto& ck = in.cu_seqlens_k;
+  const int64_t q0 = cq.data[s * cq.stride[0]], nq = cq.data[(s + 1) * cq.stride[0]] - q0;
+  const int64_t k0 = ck.data[s * ck.stride[0]], nk = ck.data[(s + 1) * ck.stride[0]] - k0;
+  const int64_t G = q.shape[1] / k.shape[1], D = q.shape[2], Dv = v.shape[2];
+  Workspace& ws = Workspace::local();
+  T* kd = ws.get<T>(Workspace::kVarlenKey, static_cast<size_t>(nk * D));
+  T* vd = ws.get<T>(Workspace::kVarlenValue, static_cast<size_t>(nk * Dv));
+  ops::gather_rows(k.data + k0 * k.stride[0] + hk * k.stride[1], k.stride[0], 1, nk, D, kd);
+  ops::gather_rows(v.data + k0 * v.stride[0] + hk * v.stride[1], v.stride[0], 1, nk, Dv, vd);
+  BasicAttentionInputs<T> a;
+  a.query = View<const T>(q.data + q0 * q.stride[0] + hk * G * q.stride[1], {1, G, nq, D},
+                          {G * q.stride[1], q.stride[1], q.stride[0], 1});
+  a.key = View<const T>(kd, {1, 1, nk, D});
+  a.value = View<const T>(vd, {1, 1, nk, Dv});
+  const auto& al = in.alibi_slopes;
+  if (al.given()) {
+    const int64_t hs = al.stride[al.rank - 1];
+    a.alibi_slopes = View<const float>(al.data + (al.rank == 2 ? s * al.stride[0] : 0) + hk * G * hs, {G}, {hs});
+  }
+  BasicAttentionOutputs<T> r;
+  r.out = View<T>(out.data + q0 * out.stride[0] + hk * G * out.stride[1], {1, G, nq, Dv},
+                  {G * out.stride[1], out.stride[1], out.stride[0], 1});
+  if (lse.data) {
+    r.lse = View<float>(lse.data + hk * G * lse.stride[0] + q0 * lse.stride[1], {1, G, nq},
+                        {G * lse.stride[0], lse.stride[0], lse.stride[1]});
+  }
+  AttentionOptions o = options;
+  o.num_threads = 1;
+  attention(a, r, o);
+  ws.trim(Workspace::kVarlenKey, Workspace::kVarlenValue);
+}
+
 template <typename T>
 void forward(const BasicVarlenInputs<T>& in, const View<T>& out, const View<float>& lse,
              const AttentionOptions& options) {
   check_inputs(in);
-  const int64_t Hq = in.query.shape[1], Dv = in.value.shape[2], total_q = in.query.shape[0];
+  const int64_t Hq = in.query.shape[1], Hkv = in.key.shape[1], Dv = in.value.shape[2], total_q = in.query.shape[0];
   check_rows(out, "out", total_q, Hq, Dv);
   if (lse.data || lse.rank) check_lse(lse, Hq, total_q);
   const ScratchRelease release;
-  for_each_sequence(in.cu_seqlens_q, in.cu_seqlens_k, options,
-                    [&](int64_t s, int64_t q0, int64_t nq, int64_t k0, int64_t nk, const AttentionOptions& o) {
-                      const int threads = o.num_threads;
-                      const BasicAttentionInputs<T> a = gathered_inputs(in, s, q0, nq, k0, nk, threads);
-                      BasicAttentionOutputs<T> r;
-                      r.out = scratch<T>(Workspace::kVarlenOut, Hq, nq, Dv);
-                      r.lse = sequence_lse(lse, q0, nq);
-                      attention(a, r, o);
-                      scatter_heads(r.out, out, q0, threads);
-                    });
+  // Sequences of many queries run as (sequence, kv head) tasks on one thread each, costliest
+  // first, when they can keep the threads busy (no task over 1/(2·threads) of their work):
+  // against a call per sequence on every thread this drops the copies of whole sequences (q, k,
+  // v and out through memory: 8% of `mha bench --varlen`'s time) and a core's keys stay in its
+  // L2. The rest (decode-like sequences, dropout, a few heads) run one call per sequence.
+  const auto& cq = in.cu_seqlens_q;
+  const auto& ck = in.cu_seqlens_k;
+  const int64_t S = cq.shape[0] - 1;
+  std::vector<int64_t> by_head;
+  std::vector<double> cost(static_cast<size_t>(S), 0.0);
+  double total = 0, largest = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t nq = cq.data[(s + 1) * cq.stride[0]] - cq.data[s * cq.stride[0]];
+    const int64_t nk = ck.data[(s + 1) * ck.stride[0]] - ck.data[s * ck.stride[0]];
+    if (nq == 0 || !runs_by_head(in, out, options, nq)) continue;
+    cost[s] = static_cast<double>(nq) * static_cast<double>(std::max<int64_t>(nk, 1));
+    by_head.push_back(s);
+    total += cost[s] * static_cast<double>(Hkv);
+    largest = std::max(largest, cost[s]);
+  }
+  const int threads = resolve_threads(options.num_threads);
+  if (by_head.empty() || largest * 2 * threads > total) by_head.clear();
+  std::stable_sort(by_head.begin(), by_head.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  parallel_for(static_cast<int64_t>(by_head.size()) * Hkv, threads, [&](int64_t t) {
+    const int64_t s = by_head[t / Hkv];
+    try {
+      forward_head(in, out, lse, options, s, t % Hkv);
+    } catch (const std::bad_alloc&) {
+      throw Error(fmt::format("varlen_attention: out of memory for the scratch of sequence {} (kv head {})", s,
+                              t % Hkv));
+    }
+  });
+  std::vector<char> done(static_cast<size_t>(S), 0);
+  for (int64_t s : by_head) done[s] = 1;
+  for_each_sequence(cq, ck, options, [&](int64_t s, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
+                                         const AttentionOptions& o) {
+    if (done[s]) return;
+    const BasicAttentionInputs<T> a = gathered_inputs(in, s, q0, nq, k0, nk, o.num_threads);
+    BasicAttentionOutputs<T> r;
+    r.out = scratch<T>(Workspace::kVarlenOut, Hq, nq, Dv);
+    r.lse = sequence_lse(lse, q0, nq);
+    attention(a, r, o);
+    scatter_heads(r.out, out, q0, o.num_threads);
+  });
 }
 
 template <typename T>
