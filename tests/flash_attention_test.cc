@@ -424,6 +424,12 @@ TEST_P(FlashTest, GatheredKeysGiveTheContiguousBits) {
     p.bthd = true;
     p.opt.causal = Causal::kBottomRight;
     p.make(rng);
+    Tensor spread;  // at 1537 keys, values whose elements lie 2 apart beside the keys' rows H·D apart
+    if (Tk == 1537) {
+      spread = random_tensor(rng, {p.B, p.Hkv, p.Tk, 2 * p.Dv});
+      p.in.value = View<const float>(spread.data<float>(), {p.B, p.Hkv, p.Tk, p.Dv},
+                                     {p.Hkv * p.Tk * 2 * p.Dv, p.Tk * 2 * p.Dv, 2 * p.Dv, 2});
+    }
     check(p, 4);
     ws.release(kernels::Workspace::kGatherKey);
     Outputs strided(p, 4), packed(p, 4);
