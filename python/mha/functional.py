@@ -283,14 +283,13 @@ def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align
     # new_empty is ~1 µs cheaper than torch.empty).
     if kind is np.ndarray:
         out = np.empty((B, Hq, L, Ev), dtype=dtype)
-        _mha.attention(query, key, value, out, attn_mask if is_bool else None, None if is_bool else attn_mask, None,
-                       None, None, scale, align if is_causal else 0, 0, 0.0, 0, num_threads, backend)
+        q, k, v, o = query, key, value, out
     else:
         out = query.new_empty((B, Hq, L, Ev))
         pack = _fast_torch[5]
-        _mha.attention(pack(query), pack(key), pack(value), pack(out), attn_mask if is_bool else None,
-                       None if is_bool else attn_mask, None, None, None, scale, align if is_causal else 0, 0, 0.0,
-                       0, num_threads, backend)
+        q, k, v, o = pack(query), pack(key), pack(value), pack(out)
+    _mha.attention(q, k, v, o, attn_mask if is_bool else None, None if is_bool else attn_mask, None, None, None, scale,
+                   align if is_causal else 0, 0, 0.0, 0, num_threads, backend)
     return out
 
 

@@ -1,0 +1,149 @@
+// How the decode kernel (flash_decode.cc) reads the keys and values of one (batch, kv head):
+// PlainKv<T> (elements of T, widened on load) or QuantKv<kBits> (int8/int4 cache codes,
+// dequantized on load as minimum + scale · code), contiguous or through a paged pool's block
+// table. Row(j) is key or value j; Load(d, row, c) gives values [c, c + N) as floats; Stage
+// writes a whole row's floats; Prefetch(j) asks for key and value j's cache lines.
+#if defined(MHA_KERNELS_CPU_DECODE_KV_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MHA_KERNELS_CPU_DECODE_KV_INL_H_
+#undef MHA_KERNELS_CPU_DECODE_KV_INL_H_
+#else
+#define MHA_KERNELS_CPU_DECODE_KV_INL_H_
+#endif
+
+#include <cstddef>
+#include <cstdint>
+
+#include "hwy/highway.h"
+#include "kernels/attention_params.h"
+#include "mha/kv_cache.h"
+#include "util/convert-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace decode {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+
+// The first n (< N) elements at p as floats, zeros after them.
+HWY_INLINE hn::Vec<DF> LoadTail(DF d, const float* p, size_t n) { return hn::MaskedLoad(hn::FirstN(d, n), d, p); }
+template <typename T>
+HWY_INLINE hn::Vec<DF> LoadTail(DF d, const T* p, size_t n) {
+  HWY_ALIGN float tmp[hn::MaxLanes(DF())] = {};
+  for (size_t i = 0; i < n; ++i) tmp[i] = to_float(p[i]);
+  return hn::Load(d, tmp);
+}
+
+// Element offset of key/value row j of one (batch, kv head) plane: j · row, or through the block
+// table of a paged pool (page stride `page`).
+struct RowOffset {
+  const int64_t* table;
+  int shift;
+  int64_t mask, page, row;
+  RowOffset(const AttentionParams& p, int64_t b, int64_t page_stride, int64_t row_stride)
+      : table(p.block_table ? p.block_table + b * p.block_table_stride : nullptr), shift(p.page_shift),
+        mask((int64_t{1} << p.page_shift) - 1), page(page_stride), row(row_stride) {}
+  HWY_INLINE int64_t operator()(int64_t j) const { return table ? table[j >> shift] * page + (j & mask) * row : j * row; }
+};
+
+// The start of (b, hk)'s plane: paged pools start every batch at page 0 (the table says where).
+inline int64_t PlaneStart(const AttentionParams& p, const Strides4& stride, int64_t b, int64_t hk) {
+  return (p.block_table ? 0 : b * stride[0]) + hk * stride[1];
+}
+
+template <typename T>
+struct PlainKv {
+  using Row = const T*;
+  static constexpr bool kPadded = false;  // rows end at D: a partial last vector needs LoadPartial
+  const T* k;
+  const T* v;
+  RowOffset kr, vr;
+  size_t kdim, vdim;
+  PlainKv(const AttentionParams& p, int64_t b, int64_t hk)
+      : k(static_cast<const T*>(p.k) + PlaneStart(p, p.k_stride, b, hk)),
+        v(static_cast<const T*>(p.v) + PlaneStart(p, p.v_stride, b, hk)),
+        kr(p, b, p.k_stride[0], p.k_stride[2]), vr(p, b, p.v_stride[0], p.v_stride[2]),
+        kdim(static_cast<size_t>(p.head_dim_qk)), vdim(static_cast<size_t>(p.head_dim_v)) {}
+  Row key(int64_t j) const { return k + kr(j); }
+  Row value(int64_t j) const { return v + vr(j); }
+  HWY_INLINE hn::Vec<DF> Load(DF d, Row r, size_t c) const { return LoadAsFloat(d, r + c); }
+  HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t n) const { return LoadTail(d, r + c, n); }
+  // Values [0, depth) of row r widened to float, zeros after them up to whole vectors, vector i
+  // at dst + i·stride.
+  HWY_INLINE void Stage(DF d, Row r, size_t depth, float* HWY_RESTRICT dst, size_t stride) const {
+    const size_t N = hn::Lanes(d);
+    for (size_t c = 0; c < depth; c += N)
+      hn::Store(c + N > depth ? LoadPartial(d, r, c, depth - c) : Load(d, r, c), d, dst + c / N * stride);
+  }
+  void Prefetch(int64_t j) const {
+    constexpr size_t kLine = 64 / sizeof(T);  // elements per cache line
+    for (size_t dd = 0; dd < kdim; dd += kLine) __builtin_prefetch(key(j) + dd, 0, 1);
+    for (size_t dd = 0; dd < vdim; dd += kLine) __builtin_prefetch(value(j) + dd, 0, 1);
+  }
+};
+
+template <int kBits>
+struct QuantKv {
+  struct Row {
+    const uint8_t* codes;
+    const float* scales;  // (scale, minimum) per group
+  };
+  static constexpr bool kPadded = true;  // rows hold whole groups of 32 values (N divides 32)
+  static constexpr size_t kGroup = static_cast<size_t>(kCacheQuantGroup);
+  const uint8_t* k;
+  const uint8_t* v;
+  const float* ksc;
+  const float* vsc;
+  RowOffset kr, vr, ksr, vsr;
+  QuantKv(const AttentionParams& p, int64_t b, int64_t hk)
+      : k(static_cast<const uint8_t*>(p.k) + PlaneStart(p, p.k_stride, b, hk)),
+        v(static_cast<const uint8_t*>(p.v) + PlaneStart(p, p.v_stride, b, hk)),
+        ksc(p.k_scales + PlaneStart(p, p.k_scale_stride, b, hk)),
+        vsc(p.v_scales + PlaneStart(p, p.v_scale_stride, b, hk)),
+        kr(p, b, p.k_stride[0], p.k_stride[2]), vr(p, b, p.v_stride[0], p.v_stride[2]),
+        ksr(p, b, p.k_scale_stride[0], p.k_scale_stride[2]), vsr(p, b, p.v_scale_stride[0], p.v_scale_stride[2]) {}
+  Row key(int64_t j) const { return {k + kr(j), ksc + ksr(j)}; }
+  Row value(int64_t j) const { return {v + vr(j), vsc + vsr(j)}; }
+  // Codes [i, i + N) of group g as float (i a multiple of N, N divides the group).
+  HWY_INLINE static hn::Vec<DF> Codes(DF d, Row r, size_t g, size_t i) {
+    const hn::Rebind<uint8_t, DF> d8;
+    const hn::RebindToSigned<DF> di;
+    hn::Vec<decltype(di)> x;
+    if constexpr (kBits == 8) {
+      x = hn::PromoteTo(di, hn::LoadU(d8, r.codes + g * kGroup + i));
+    } else {  // byte i of the group's 16 holds value i (low nibble) and value i + 16 (high)
+      x = hn::PromoteTo(di, hn::LoadU(d8, r.codes + g * (kGroup / 2) + i % (kGroup / 2)));
+      x = i < kGroup / 2 ? hn::And(x, hn::Set(di, 0xF)) : hn::ShiftRight<4>(x);
+    }
+    return hn::ConvertTo(d, x);
+  }
+  HWY_INLINE hn::Vec<DF> Load(DF d, Row r, size_t c) const {
+    const size_t g = c / kGroup;
+    return hn::MulAdd(Codes(d, r, g, c % kGroup), hn::Set(d, r.scales[2 * g]), hn::Set(d, r.scales[2 * g + 1]));
+  }
+  HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t) const { return Load(d, r, c); }
+  // Values [0, depth) of row r (whole groups) as floats, vector i at dst + i·stride: Load's
+  // values, a group's scale and minimum broadcast once.
+  HWY_INLINE void Stage(DF d, Row r, size_t depth, float* HWY_RESTRICT dst, size_t stride) const {
+    const size_t N = hn::Lanes(d);
+    for (size_t g = 0; g < depth / kGroup; ++g) {
+      const auto scale = hn::Set(d, r.scales[2 * g]), minimum = hn::Set(d, r.scales[2 * g + 1]);
+      for (size_t i = 0; i < kGroup; i += N)
+        hn::Store(hn::MulAdd(Codes(d, r, g, i), scale, minimum), d, dst + (g * kGroup + i) / N * stride);
+    }
+  }
+  void Prefetch(int64_t j) const {
+    __builtin_prefetch(key(j).codes, 0, 1);
+    __builtin_prefetch(key(j).codes + 64, 0, 1);
+    __builtin_prefetch(key(j).scales, 0, 1);
+    __builtin_prefetch(value(j).codes, 0, 1);
+    __builtin_prefetch(value(j).codes + 64, 0, 1);
+    __builtin_prefetch(value(j).scales, 0, 1);
+  }
+};
+
+}  // namespace decode
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MHA_KERNELS_CPU_DECODE_KV_INL_H_
