@@ -2,7 +2,8 @@
 // PlainKv<T> (elements of T, widened on load) or QuantKv<kBits> (int8/int4 cache codes,
 // dequantized on load as minimum + scale · code), contiguous or through a paged pool's block
 // table. Row(j) is key or value j; Load(d, row, c) gives values [c, c + N) as floats; Stage
-// writes a whole row's floats; Prefetch(j) asks for key and value j's cache lines.
+// writes a whole row's floats; PrefetchKey(j) / PrefetchValue(j) ask for a row's cache lines
+// (into L2).
 #if defined(MHA_KERNELS_CPU_DECODE_KV_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_KV_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_KV_INL_H_
@@ -75,10 +76,11 @@ struct PlainKv {
     for (size_t c = 0; c < depth; c += N)
       hn::Store(c + N > depth ? LoadPartial(d, r, c, depth - c) : Load(d, r, c), d, dst + c / N * stride);
   }
-  void Prefetch(int64_t j) const {
+  void PrefetchKey(int64_t j) const { PrefetchRow(key(j), kdim); }
+  void PrefetchValue(int64_t j) const { PrefetchRow(value(j), vdim); }
+  static void PrefetchRow(const T* row, size_t n) {
     constexpr size_t kLine = 64 / sizeof(T);  // elements per cache line
-    for (size_t dd = 0; dd < kdim; dd += kLine) __builtin_prefetch(key(j) + dd, 0, 1);
-    for (size_t dd = 0; dd < vdim; dd += kLine) __builtin_prefetch(value(j) + dd, 0, 1);
+    for (size_t dd = 0; dd < n; dd += kLine) __builtin_prefetch(row + dd, 0, 1);
   }
 };
 
@@ -132,13 +134,12 @@ struct QuantKv {
         hn::Store(hn::MulAdd(Codes(d, r, g, i), scale, minimum), d, dst + (g * kGroup + i) / N * stride);
     }
   }
-  void Prefetch(int64_t j) const {
-    __builtin_prefetch(key(j).codes, 0, 1);
-    __builtin_prefetch(key(j).codes + 64, 0, 1);
-    __builtin_prefetch(key(j).scales, 0, 1);
-    __builtin_prefetch(value(j).codes, 0, 1);
-    __builtin_prefetch(value(j).codes + 64, 0, 1);
-    __builtin_prefetch(value(j).scales, 0, 1);
+  void PrefetchKey(int64_t j) const { PrefetchRow(key(j)); }
+  void PrefetchValue(int64_t j) const { PrefetchRow(value(j)); }
+  static void PrefetchRow(Row r) {
+    __builtin_prefetch(r.codes, 0, 1);
+    if (kBits == 8) __builtin_prefetch(r.codes + 64, 0, 1);  // 128 bytes at D = 128
+    __builtin_prefetch(r.scales, 0, 1);
   }
 };
 

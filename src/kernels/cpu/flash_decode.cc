@@ -99,9 +99,10 @@ HWY_INLINE hn::Vec<DF> StagedScores(DF d, const float* q, const float* HWY_RESTR
 
 // O[r][c0 + c·N ..] = alpha[r]·O + Σ_{j < jn} P[r][j] · V[j0 + j][c0 + c·N ..] for rows
 // [r0, r0 + RG) and NV vectors of columns. kTail: the last vector is partial (ncols % N != 0).
+// Value rows [prefetch.lo, prefetch.hi) are prefetched one per j (an empty range: none).
 template <size_t RG, size_t NV, bool kTail, class Kv>
 HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, int64_t j0, size_t c0, size_t ncols,
-                             size_t jn, const float* alpha, float* o, size_t ldo) {
+                             size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
   using V = hn::Vec<DF>;
   const size_t N = hn::Lanes(d);
   V acc[RG][NV];
@@ -112,6 +113,7 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, in
   const size_t tail = ncols - (NV - 1) * N;
   for (size_t j = 0; j < jn; ++j) {
     const auto vj = kv.value(j0 + static_cast<int64_t>(j));
+    if (prefetch.lo + static_cast<int64_t>(j) < prefetch.hi) kv.PrefetchValue(prefetch.lo + static_cast<int64_t>(j));
     V x[NV];
     for (size_t c = 0; c < NV; ++c)
       x[c] = kTail && c + 1 == NV ? kv.LoadPartial(d, vj, c0 + c * N, tail) : kv.Load(d, vj, c0 + c * N);
@@ -126,12 +128,12 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, in
 
 template <size_t RG, class Kv>
 HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv, int64_t j0, size_t c0, size_t ncols,
-                                 size_t jn, const float* alpha, float* o, size_t ldo) {
+                                 size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
   const size_t N = hn::Lanes(d), nv = (ncols + N - 1) / N;
   const bool tail = ncols % N != 0;
 #define MHA_DECODE_OUTPUT(NV)                                                                       \
-  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, j0, c0, ncols, jn, alpha, o, ldo)              \
-       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, j0, c0, ncols, jn, alpha, o, ldo)
+  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, j0, c0, ncols, jn, alpha, o, ldo, prefetch)    \
+       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, j0, c0, ncols, jn, alpha, o, ldo, prefetch)
   switch (nv) {
     case 1: MHA_DECODE_OUTPUT(1); break;
     case 2: MHA_DECODE_OUTPUT(2); break;
@@ -250,8 +252,11 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       if (!any) continue;
     }
     // Scores: for each N keys, every row's N dot products (head dim in the lanes), K rows read
-    // in memory order. With them go the prefetches (into L2) of the next block's K and V rows:
-    // this kernel is bound by that stream (measured at 256 MiB: +40% over no prefetching).
+    // in memory order. With them go the prefetches (into L2) of the next block's K rows; the
+    // output pass below prefetches its V rows, one per key. A core here reads ~8.5 GB/s on its
+    // own, and the arithmetic overlaps that stream only under prefetches spread through it:
+    // moving the V prefetches out of the scores' burst took the bfloat16 step at 256 MiB from
+    // 11.7–13.4 to 9.6–12.0 ms (docs/benchmarks.md).
     // Lanes past the block's last key read that key again; the mask below drops them.
     // Vectors of the block past its last key (a short chunk or the cache's end) are not computed:
     // their scores are -inf, which the mask below keeps.
@@ -263,7 +268,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       for (size_t x = 0; x < N; ++x) {
         const int64_t j = first + static_cast<int64_t>(x);
         krows[x] = kv.key(std::min(j, j0 + jn - 1));
-        if (j + ahead_keys < ub) kv.Prefetch(j + ahead_keys);
+        if (j + ahead_keys < ub) kv.PrefetchKey(j + ahead_keys);
       }
       if constexpr (kStage) {
         // Widen or dequantize the N keys once into the stage (L1), which every query row reads.
@@ -326,15 +331,17 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
         float* oc = o + r0 * dvp + c0;
         const float* pr = s + r0 * block;
+        // The next block's value rows, one per key of the first pass over this block's.
+        const KeyRange prefetch = r0 == 0 && c0 == 0 ? KeyRange{j0 + ahead_keys, ub} : KeyRange{0, 0};
         switch (rg) {
-          case 1: DecodeOutputCols<1>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp); break;
+          case 1: DecodeOutputCols<1>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
 #if HWY_TARGET <= HWY_AVX3
-          case 2: DecodeOutputCols<2>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp); break;
-          case 3: DecodeOutputCols<3>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp); break;
-          case 4: DecodeOutputCols<4>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp); break;
-          case 5: DecodeOutputCols<5>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp); break;
+          case 2: DecodeOutputCols<2>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
+          case 3: DecodeOutputCols<3>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
+          case 4: DecodeOutputCols<4>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
+          case 5: DecodeOutputCols<5>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
 #endif
-          default: DecodeOutputCols<kRowGroup>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp); break;
+          default: DecodeOutputCols<kRowGroup>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
         }
       });
     }
