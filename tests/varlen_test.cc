@@ -149,6 +149,8 @@ TEST(Varlen, HeadTasksGiveEachSequenceAloneBits) {
     p.nk.push_back(rng.range(1, 300));
     p.nq.push_back(0);
     p.nk.push_back(rng.range(0, 5));
+    p.nq.push_back(rng.range(20, 40));  // many queries, no keys: zeros, lse -inf
+    p.nk.push_back(0);
     p.make(rng);
     const int64_t S = static_cast<int64_t>(p.nq.size());
     Tensor slopes = random_tensor(rng, {S, p.Hq}, 0.1f);

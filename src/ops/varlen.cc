@@ -174,7 +174,7 @@ void for_each_sequence(const View<const int64_t>& cq, const View<const int64_t>&
   }
 }
 
-// Whether sequence s runs as per-head tasks (forward_by_head): the flash kernel cuts a call into
+// Whether a sequence of nq queries runs as per-head tasks (forward_head): the flash kernel cuts a call into
 // (batch, kv head, query block) tasks whatever the head count, so one kv head's call gives that
 // head's bits of the whole sequence's call. Not where the decode kernel would run (nq·G <=
 // kMaxDecodeRows: its key split depends on the head count), nor with dropout (its draws depend on
@@ -190,7 +190,7 @@ bool runs_by_head(const BasicVarlenInputs<T>& in, const View<T>& out, const Atte
 // Workspace (nk·(D + Dv) elements, which stay in this core's L2 while the kernel reads them
 // again for every query tile), its G query heads read and their output written in place.
 // (Gathering a wave of sequences' keys row by row on every thread first, then their tasks, was
-// slower: 8% over one by one against this one's 4%, best of eight alternations.)
+// slower: 8% over one by one against this one's 1%, best of eight alternations.)
 template <typename T>
 void forward_head(const BasicVarlenInputs<T>& in, const View<T>& out, const View<float>& lse,
                   const AttentionOptions& options, int64_t s, int64_t hk) {

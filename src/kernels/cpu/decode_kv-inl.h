@@ -97,13 +97,18 @@ struct QuantKv {
   const float* ksc;
   const float* vsc;
   RowOffset kr, vr, ksr, vsr;
+  size_t kbytes, vbytes;  // a key's / value's codes: whole groups of kBits each
   QuantKv(const AttentionParams& p, int64_t b, int64_t hk)
       : k(static_cast<const uint8_t*>(p.k) + PlaneStart(p, p.k_stride, b, hk)),
         v(static_cast<const uint8_t*>(p.v) + PlaneStart(p, p.v_stride, b, hk)),
         ksc(p.k_scales + PlaneStart(p, p.k_scale_stride, b, hk)),
         vsc(p.v_scales + PlaneStart(p, p.v_scale_stride, b, hk)),
         kr(p, b, p.k_stride[0], p.k_stride[2]), vr(p, b, p.v_stride[0], p.v_stride[2]),
-        ksr(p, b, p.k_scale_stride[0], p.k_scale_stride[2]), vsr(p, b, p.v_scale_stride[0], p.v_scale_stride[2]) {}
+        ksr(p, b, p.k_scale_stride[0], p.k_scale_stride[2]), vsr(p, b, p.v_scale_stride[0], p.v_scale_stride[2]),
+        kbytes(RowBytes(p.head_dim_qk)), vbytes(RowBytes(p.head_dim_v)) {}
+  static size_t RowBytes(int64_t dim) {
+    return (static_cast<size_t>(dim) + kGroup - 1) / kGroup * kGroup * kBits / 8;
+  }
   Row key(int64_t j) const { return {k + kr(j), ksc + ksr(j)}; }
   Row value(int64_t j) const { return {v + vr(j), vsc + vsr(j)}; }
   // Codes [i, i + N) of group g as float (i a multiple of N, N divides the group).
@@ -134,12 +139,13 @@ struct QuantKv {
         hn::Store(hn::MulAdd(Codes(d, r, g, i), scale, minimum), d, dst + (g * kGroup + i) / N * stride);
     }
   }
-  void PrefetchKey(int64_t j) const { PrefetchRow(key(j)); }
-  void PrefetchValue(int64_t j) const { PrefetchRow(value(j)); }
-  static void PrefetchRow(Row r) {
-    __builtin_prefetch(r.codes, 0, 1);
-    if (kBits == 8) __builtin_prefetch(r.codes + 64, 0, 1);  // 128 bytes at D = 128
-    __builtin_prefetch(r.scales, 0, 1);
+  void PrefetchKey(int64_t j) const { PrefetchRow(key(j), kbytes); }
+  void PrefetchValue(int64_t j) const { PrefetchRow(value(j), vbytes); }
+  // The row's codes and its (scale, minimum) pairs: 8 bytes per group of kGroup codes.
+  static void PrefetchRow(Row r, size_t bytes) {
+    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(r.codes + b, 0, 1);
+    const size_t scale_bytes = bytes / (kGroup * kBits / 8) * 8;
+    for (size_t b = 0; b < scale_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(r.scales) + b, 0, 1);
   }
 };
 
