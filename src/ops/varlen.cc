@@ -154,14 +154,23 @@ void check_lse(const View<T>& lse, int64_t heads, int64_t total) {
             "varlen_attention: lse must be (Hq, total_q) = ({}, {}); got {}", heads, total, shape_string(lse));
 }
 
+// Sequence s's rows in a packed tensor: [start, start + count), read from its offsets cu.
+struct Rows {
+  int64_t start, count;
+};
+inline Rows sequence_rows(const View<const int64_t>& cu, int64_t s) {
+  const int64_t start = cu.data[s * cu.stride[0]];
+  return {start, cu.data[(s + 1) * cu.stride[0]] - start};
+}
+
 // Calls f(s, q0, nq, k0, nk, options of s) for every sequence with queries.
 template <class F>
 void for_each_sequence(const View<const int64_t>& cq, const View<const int64_t>& ck, const AttentionOptions& options,
                        const F& f) {
   const int64_t S = cq.shape[0] - 1;
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t q0 = cq.data[s * cq.stride[0]], nq = cq.data[(s + 1) * cq.stride[0]] - q0;
-    const int64_t k0 = ck.data[s * ck.stride[0]], nk = ck.data[(s + 1) * ck.stride[0]] - k0;
+    const auto [q0, nq] = sequence_rows(cq, s);
+    const auto [k0, nk] = sequence_rows(ck, s);
     if (nq == 0) continue;
     AttentionOptions o = options;
     o.dropout_seed = varlen_dropout_seed(options.dropout_seed, s);
@@ -197,10 +206,8 @@ void forward_head(const BasicVarlenInputs<T>& in, const View<T>& out, const View
   const auto& q = in.query;
   const auto& k = in.key;
   const auto& v = in.value;
-  const auto& cq = in.cu_seqlens_q;
-  const auto& ck = in.cu_seqlens_k;
-  const int64_t q0 = cq.data[s * cq.stride[0]], nq = cq.data[(s + 1) * cq.stride[0]] - q0;
-  const int64_t k0 = ck.data[s * ck.stride[0]], nk = ck.data[(s + 1) * ck.stride[0]] - k0;
+  const auto [q0, nq] = sequence_rows(in.cu_seqlens_q, s);
+  const auto [k0, nk] = sequence_rows(in.cu_seqlens_k, s);
   const int64_t G = q.shape[1] / k.shape[1], D = q.shape[2], Dv = v.shape[2];
   Workspace& ws = Workspace::local();
   T* kd = ws.get<T>(Workspace::kVarlenKey, static_cast<size_t>(nk * D));
@@ -250,8 +257,7 @@ void forward(const BasicVarlenInputs<T>& in, const View<T>& out, const View<floa
   std::vector<double> cost(static_cast<size_t>(S), 0.0);
   double total = 0, largest = 0;
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t nq = cq.data[(s + 1) * cq.stride[0]] - cq.data[s * cq.stride[0]];
-    const int64_t nk = ck.data[(s + 1) * ck.stride[0]] - ck.data[s * ck.stride[0]];
+    const int64_t nq = sequence_rows(cq, s).count, nk = sequence_rows(ck, s).count;
     if (nq == 0 || !runs_by_head(in, out, options, nq)) continue;
     cost[s] = static_cast<double>(nq) * static_cast<double>(std::max<int64_t>(nk, 1));
     by_head.push_back(s);
@@ -300,10 +306,8 @@ void backward(const BasicVarlenInputs<T>& in, const View<const T>& out, const Vi
   // Keys of sequences without queries get zero gradient (no call covers them).
   const int64_t S = in.cu_seqlens_q.shape[0] - 1;
   for (int64_t s = 0; s < S; ++s) {
-    const auto& cq = in.cu_seqlens_q;
-    const auto& ck = in.cu_seqlens_k;
-    if (cq.data[(s + 1) * cq.stride[0]] != cq.data[s * cq.stride[0]]) continue;
-    const int64_t k0 = ck.data[s * ck.stride[0]], nk = ck.data[(s + 1) * ck.stride[0]] - k0;
+    if (sequence_rows(in.cu_seqlens_q, s).count != 0) continue;
+    const auto [k0, nk] = sequence_rows(in.cu_seqlens_k, s);
     for (const View<T>& g : {grads.grad_key, grads.grad_value})
       for (int64_t t = k0; t < k0 + nk; ++t)
         for (int64_t h = 0; h < g.shape[1]; ++h)
