@@ -1,8 +1,10 @@
 // Numerical edge cases, on the fast path and the reference: huge logits, infinities and NaN in
-// the inputs, denormals, the smallest and empty shapes, allocation failure.
+// the inputs, denormals, the smallest and empty shapes, large tensors' alignment, allocation
+// failure.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include "mha/attention.h"
@@ -134,6 +136,24 @@ TEST(EdgeCases, SmallestAndEmptyShapes) {
   const MhaOutputs out = m.forward(in, weights);
   EXPECT_EQ(out.output.shape(), (std::vector<int64_t>{0, 5, 8}));
   EXPECT_EQ(out.weights.shape(), (std::vector<int64_t>{0, 5, 5}));
+}
+
+// Tensors of 2 MiB or more (with their padding) start on a 2 MiB boundary, for transparent huge
+// pages (src/util/tensor.cc), smaller ones on a cache line; either is zeroed up to its end,
+// whatever its size around that boundary.
+TEST(EdgeCases, LargeTensorsStartOnA2MiBBoundaryAndAreZeroed) {
+  constexpr int64_t kHuge = int64_t{2} << 20;
+  for (int64_t bytes : {kHuge - 128, kHuge - 64, kHuge, kHuge + 4, 3 * kHuge + 12}) {
+    Tensor t(DType::kU8, {bytes});
+    const auto at = reinterpret_cast<uintptr_t>(t.raw());
+    const bool huge = (bytes + 63) / 64 * 64 + 64 >= kHuge;  // with the tensor's one line of padding
+    EXPECT_EQ(at % static_cast<uintptr_t>(huge ? kHuge : 64), 0u) << bytes << " bytes";
+    const uint8_t* p = t.data<uint8_t>();
+    int64_t nonzero = 0;
+    for (int64_t i = 0; i < bytes; ++i) nonzero += p[i] != 0;
+    EXPECT_EQ(nonzero, 0) << bytes << " bytes";
+    t.data<uint8_t>()[bytes - 1] = 1;  // the last byte is writable
+  }
 }
 
 TEST(EdgeCases, AllocationFailureIsAnErrorAndTheModuleStaysUsable) {

@@ -5,7 +5,8 @@
 // so a (B, T, H, D) buffer is seen as (B, H, T, D) without a copy. A default-constructed
 // View (rank 0) means "not given" for optional arguments.
 //
-// Tensor owns 64-byte-aligned storage. It is move-only: copies are explicit (clone()).
+// Tensor owns 64-byte-aligned storage (2 MiB-aligned, on transparent huge pages where the
+// system allows, from 2 MiB on). It is move-only: copies are explicit (clone()).
 #ifndef MHA_TENSOR_H_
 #define MHA_TENSOR_H_
 
