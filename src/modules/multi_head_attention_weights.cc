@@ -1,7 +1,9 @@
 // MultiHeadAttention's weights in and out by name: load_state_dict (the layouts of
 // io/weight_names.h, each tensor's shape and dtype checked) and state_dict.
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/weight_names.h"
