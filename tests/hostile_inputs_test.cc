@@ -354,6 +354,8 @@ TEST(HostileCaches, PagedIdsAndEmptyBatches) {
     expect_error([&] { cache.free_sequence(id); }, {"free_sequence", "not live"});
     expect_error([&] { cache.fork(id); }, {"fork", "not live"});
     expect_error([&] { cache.block_table(id); }, {"block_table", "not live"});
+    expect_error([&] { cache.key_channel_scales(id); }, {"key_channel_scales", "not live"});
+    expect_error([&] { cache.key_outlier_channels(id); }, {"key_outlier_channels", "not live"});
   }
   const int64_t t = cache.add_sequence();
   EXPECT_EQ(t, s + 1);  // ids are never reused

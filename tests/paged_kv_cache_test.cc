@@ -5,6 +5,7 @@
 // consistent; bad ids are errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -61,6 +62,8 @@ TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
         const int64_t L = rng.range(n, 300);
         ks.push_back(random_tensor(rng, {pc.kv_heads, L, pc.head_dim_qk}));
         vs.push_back(random_tensor(rng, {pc.kv_heads, L, pc.head_dim_v}));
+        if (trial % 2 == 0)  // an outlier key channel (kept exactly by int8/int4 caches)
+          for (int64_t t = 0; t < L; ++t) ks.back().data<float>()[t * pc.head_dim_qk + 5] *= 20;
       }
       // Append in chunks, interleaving the sequences (pages of different sequences mix).
       for (bool more = true; more;) {
@@ -87,6 +90,13 @@ TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
                    " window " + std::to_string(pc.window) + " n " + std::to_string(n));
       EXPECT_TRUE(bitwise_equal(got, again));
       for (int64_t s = 0; s < S; ++s) {
+        // The same outlier key channels as the sequence's own cache.
+        if (type == CacheType::kInt8 || type == CacheType::kInt4) {
+          const std::vector<int64_t>& po = paged.key_outlier_channels(ids[s]);
+          const View<const int64_t> ao = alone[s].key_outlier_channels();
+          EXPECT_EQ(po, std::vector<int64_t>(ao.data, ao.data + ao.numel()));
+          if (trial % 2 == 0) EXPECT_NE(std::find(po.begin(), po.end(), 5), po.end());
+        }
         const View<const float> qs(q.data<float>() + s * Hq * n * pc.head_dim_qk, {1, Hq, n, pc.head_dim_qk});
         Tensor want(DType::kF32, {1, Hq, n, pc.head_dim_v});
         attend(qs, alone[s], want.view<float>(), two);

@@ -19,9 +19,13 @@
 // Rows are padded with zero codes to a multiple of 32 values. int4 packs two codes per byte:
 // in each group's 16 bytes, byte i holds value i (low nibble) and value i + 16 (high nibble).
 // Keys are divided by per-channel scales first (key = channel_scale · value above): powers of
-// two fixed by each sequence's first append, one shared by the channels of ordinary size and
-// one per outlier channel (the few channels of real keys that are many times larger), so that
-// an outlier does not coarsen its group. Attention multiplies them into the query instead.
+// two fixed by each sequence's first append (per kv head), one shared by the channels of
+// ordinary size and one per larger channel, so that such a channel does not coarsen its group.
+// Attention multiplies them into the query instead. Outlier key channels (the few channels of
+// real keys that are many times larger: rms above 4× the median channel's in the first append,
+// the largest kCacheKeyOutliers of them) are kept exactly instead: each key row's scales end with
+// their kCacheKeyOutliers float32 values (in the order of key_outlier_channels(), 0 where a
+// slot is unused); their codes are 0 and take no part in their group's minimum and scale.
 // A group holding a NaN or an infinity stores NaN for all 32 values (its scale is NaN).
 // Error bounds: docs/numerics.md ("KV cache storage").
 #ifndef MHA_KV_CACHE_H_
@@ -42,6 +46,8 @@ enum class CacheType : uint8_t { kF32, kBF16, kF16, kInt8, kInt4 };
 const char* cache_type_name(CacheType type);
 // Values per quantization group of the int8 and int4 caches.
 constexpr int64_t kCacheQuantGroup = 32;
+// Outlier key channels an int8/int4 cache keeps exactly, per sequence and kv head.
+constexpr int64_t kCacheKeyOutliers = 4;
 
 struct KvCacheConfig {
   int64_t batch = 1;
@@ -95,13 +101,17 @@ class KvCache {
     return v_.view<T>();
   }
   // The storage of an int8/int4 cache (an mha::Error for other types): codes (B, Hkv, capacity,
-  // row bytes) and (scale, minimum) pairs (B, Hkv, capacity, 2 · groups), groups = ⌈D / 32⌉.
+  // row bytes) and scales: (scale, minimum) pairs (B, Hkv, capacity, 2 · groups), groups =
+  // ⌈D / 32⌉, followed for keys by the kCacheKeyOutliers outlier channel values (2 · groups + 4).
   View<const uint8_t> key_codes() const;
   View<const uint8_t> value_codes() const;
   View<const float> key_scales() const;
   View<const float> value_scales() const;
-  // (B, Hkv, Dk): the key channel scales (1 until a sequence's first append).
+  // (B, Hkv, Dk): the key channel scales (1 until a sequence's first append; 1 for outliers).
   View<const float> key_channel_scales() const;
+  // (B, Hkv, kCacheKeyOutliers): the outlier key channels kept exactly, ascending, then -1s (all
+  // -1 until a sequence's first append).
+  View<const int64_t> key_outlier_channels() const;
   // Keys and values as float32 (B, Hkv, capacity, D) copies, whatever the storage type
   // (dequantized or widened); slots holding no position are zeros.
   Tensor keys_as_float() const;
@@ -121,7 +131,7 @@ class KvCache {
   int64_t kept_slots() const;  // the most slots a sequence keeps
   void check_element_type(DType wanted, const char* accessor) const;
   void check_quantized(const char* accessor) const;
-  Tensor as_float(const Tensor& data, const Tensor& scales, const Tensor& channels, int64_t width) const;
+  Tensor as_float(const Tensor& data, const Tensor& scales, bool keys, int64_t width) const;
 
   KvCacheConfig config_;
   int64_t capacity_ = 0;
@@ -129,6 +139,7 @@ class KvCache {
   // group scales; undefined tensors where unused.
   Tensor k_, v_, k_scales_, v_scales_;
   Tensor k_channels_;  // quantized caches: (B, Hkv, Dk) key channel scales
+  Tensor k_outliers_;  // quantized caches: (B, Hkv, kCacheKeyOutliers) outlier key channels (int64)
   std::vector<uint8_t> channels_fixed_;  // per sequence: its key channel scales are set
   std::vector<int64_t> length_;
 };

@@ -68,12 +68,14 @@ class PagedKvCache {
   int64_t nbytes() const;
 
   // For attend(): the pool's planes, (pages, Hkv, page_size, row elements) and, for int8/int4,
-  // (pages, Hkv, page_size, 2 · groups) scales; key channel scales of id (Hkv, Dk).
+  // (pages, Hkv, page_size, 2 · groups (+ kCacheKeyOutliers for keys)) scales; key channel
+  // scales of id (Hkv, Dk) and its outlier key channels (Hkv, kCacheKeyOutliers), as KvCache's.
   const Tensor& key_pool() const { return k_; }
   const Tensor& value_pool() const { return v_; }
   const Tensor& key_scale_pool() const { return k_scales_; }
   const Tensor& value_scale_pool() const { return v_scales_; }
   const std::vector<float>& key_channel_scales(int64_t id) const;
+  const std::vector<int64_t>& key_outlier_channels(int64_t id) const;
 
  private:
   struct Sequence {
@@ -82,6 +84,7 @@ class PagedKvCache {
     int64_t first_page = 0;          // pages released by the window before table[0]
     std::vector<int64_t> table;
     std::vector<float> channels;     // int8/int4: (Hkv, Dk) key channel scales
+    std::vector<int64_t> outliers;   // int8/int4: (Hkv, kCacheKeyOutliers) outlier key channels
     bool channels_fixed = false;
   };
   const Sequence& sequence(int64_t id, const char* accessor) const;

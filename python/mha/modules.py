@@ -303,8 +303,9 @@ class MultiheadAttention:
         """A KV cache for step(): this module's kv heads and head dims. dtype: how keys and values
         are stored — float32 (default), bfloat16 or float16 (torch/numpy dtypes or names): half
         the bytes, rounded once when appended, the queries rounded to it for attention; "int8" or
-        "int4" (or torch.int8): quantized per group of 32 values with a scale and minimum each
-        (1.25 and 0.75 bytes per value; docs/numerics.md has the error), float32 queries."""
+        "int4" (or torch.int8): quantized per group of 32 values with a scale and minimum each,
+        up to 4 outlier key channels kept exactly (about 1.3 and 0.8 bytes per value at head dim
+        128; docs/numerics.md has the error), float32 queries."""
         name = "float32" if dtype is None else str(dtype).replace("torch.", "")
         if name not in ("int8", "int4"):
             try:

@@ -37,6 +37,10 @@ struct AttentionParams {
   // Key channel scales (B, Hkv, Dqk), strides (batch, head, channel): the stored keys are
   // divided by them, so the query is multiplied by them.
   const float* k_channel_scales = nullptr;  Strides4 k_channel_stride{};
+  // Outlier key channels (B, Hkv, kCacheKeyOutliers), strides (batch, head): ascending channel
+  // indices, then -1s; their exact values end each key's scales row (after the 2 · groups
+  // pairs); their codes are to be ignored (the query's entries there are zeroed).
+  const int64_t* k_outliers = nullptr;  Strides4 k_outlier_stride{};
   // Internal (paged KV caches, decode kernel only): if block_table is set, key and value j of
   // batch b are row j & (2^page_shift − 1) of pool page block_table[b · block_table_stride +
   // (j >> page_shift)]; k_stride[0], v_stride[0] and the scale strides' [0] step between pages.

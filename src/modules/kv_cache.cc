@@ -45,6 +45,8 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   if (quantized()) {
     k_channels_ = Tensor(DType::kF32, {c.batch, c.kv_heads, c.head_dim_qk});
     std::fill(k_channels_.data<float>(), k_channels_.data<float>() + k_channels_.numel(), 1.0f);
+    k_outliers_ = Tensor(DType::kI64, {c.batch, c.kv_heads, kCacheKeyOutliers});
+    std::fill(k_outliers_.data<int64_t>(), k_outliers_.data<int64_t>() + k_outliers_.numel(), int64_t{-1});
   }
   const int64_t initial = c.capacity > 0 ? c.capacity : 16;
   reserve(std::min(initial, kept_slots()));
@@ -93,6 +95,10 @@ View<const float> KvCache::key_channel_scales() const {
   check_quantized("key_channel_scales");
   return k_channels_.view<float>();
 }
+View<const int64_t> KvCache::key_outlier_channels() const {
+  check_quantized("key_outlier_channels");
+  return k_outliers_.view<int64_t>();
+}
 View<const float> KvCache::value_scales() const {
   check_quantized("value_scales");
   return v_scales_.view<float>();
@@ -104,7 +110,7 @@ int64_t KvCache::nbytes() const {
   return static_cast<int64_t>(n);
 }
 
-Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, const Tensor& channels, int64_t width) const {
+Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, bool keys, int64_t width) const {
   const auto& c = config_;
   if (!quantized()) {
     // Slots past stored(b) may hold positions from before a reset(): zeros, as documented.
@@ -125,8 +131,10 @@ Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, const Tensor&
       std::fill(dst, dst + width, 0.0f);
       continue;
     }
-    const float* ch = channels.defined() ? channels.data<float>() + r / capacity_ * width : nullptr;
-    read_row(data.data<uint8_t>() + r * row_bytes, scales.data<float>() + r * row_scales, ch, width, c.dtype, dst);
+    const float* ch = keys ? k_channels_.data<float>() + r / capacity_ * width : nullptr;
+    const int64_t* outliers = keys ? k_outliers_.data<int64_t>() + r / capacity_ * kCacheKeyOutliers : nullptr;
+    read_row(data.data<uint8_t>() + r * row_bytes, scales.data<float>() + r * row_scales, ch, outliers, width, c.dtype,
+             dst);
   }
   return out;
 }
@@ -139,15 +147,16 @@ std::pair<Tensor, Tensor> KvCache::as_stored(const View<const float>& k, const V
   c.capacity = k.rank == 4 ? std::max<int64_t>(k.shape[2], 1) : 1;
   KvCache tmp(c);
   if (quantized()) {
-    tmp.k_channels_ = k_channels_.converted(DType::kF32);  // a copy
+    tmp.k_channels_ = k_channels_.clone();
+    tmp.k_outliers_ = k_outliers_.clone();
     tmp.channels_fixed_ = channels_fixed_;
   }
   tmp.append(k, v, counts);  // checks the shapes
   return {tmp.keys_as_float(), tmp.values_as_float()};
 }
 
-Tensor KvCache::keys_as_float() const { return as_float(k_, k_scales_, k_channels_, config_.head_dim_qk); }
-Tensor KvCache::values_as_float() const { return as_float(v_, v_scales_, Tensor(), config_.head_dim_v); }
+Tensor KvCache::keys_as_float() const { return as_float(k_, k_scales_, true, config_.head_dim_qk); }
+Tensor KvCache::values_as_float() const { return as_float(v_, v_scales_, false, config_.head_dim_v); }
 
 int64_t KvCache::length(int64_t b) const {
   check_sequence(b, "length");
@@ -162,7 +171,10 @@ int64_t KvCache::stored(int64_t b) const {
 void KvCache::reset() {
   std::fill(length_.begin(), length_.end(), 0);
   std::fill(channels_fixed_.begin(), channels_fixed_.end(), 0);
-  if (quantized()) std::fill(k_channels_.data<float>(), k_channels_.data<float>() + k_channels_.numel(), 1.0f);
+  if (quantized()) {
+    std::fill(k_channels_.data<float>(), k_channels_.data<float>() + k_channels_.numel(), 1.0f);
+    std::fill(k_outliers_.data<int64_t>(), k_outliers_.data<int64_t>() + k_outliers_.numel(), int64_t{-1});
+  }
 }
 
 void KvCache::reserve(int64_t slots) {
@@ -186,8 +198,8 @@ void KvCache::reserve(int64_t slots) {
   grow(k_, et, row_elements(c.dtype, c.head_dim_qk));
   grow(v_, et, row_elements(c.dtype, c.head_dim_v));
   if (quantized()) {
-    grow(k_scales_, DType::kF32, 2 * quant_groups(c.head_dim_qk));
-    grow(v_scales_, DType::kF32, 2 * quant_groups(c.head_dim_v));
+    grow(k_scales_, DType::kF32, scale_elements(c.head_dim_qk, true));
+    grow(v_scales_, DType::kF32, scale_elements(c.head_dim_v, false));
   }
   capacity_ = slots;
 }
@@ -225,19 +237,21 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
     std::vector<float> inv(bits ? static_cast<size_t>(c.head_dim_qk) : 0);
     for (int64_t h = 0; h < c.kv_heads; ++h) {
       float* ch = bits ? k_channels_.data<float>() + (b * c.kv_heads + h) * c.head_dim_qk : nullptr;
-      // A sequence's first positions fix its key channel scales.
+      int64_t* outliers = bits ? k_outliers_.data<int64_t>() + (b * c.kv_heads + h) * kCacheKeyOutliers : nullptr;
+      // A sequence's first positions fix its key channel scales and outlier channels.
       if (bits && !channels_fixed_[b] && cnt > 0)
-        channel_scales(k.data + b * k.stride[0] + h * k.stride[1], k.stride[2], k.stride[3], cnt, c.head_dim_qk, ch);
+        key_channels(k.data + b * k.stride[0] + h * k.stride[1], k.stride[2], k.stride[3], cnt, c.head_dim_qk, ch,
+                     outliers);
       for (size_t e = 0; e < inv.size(); ++e) inv[e] = 1.0f / ch[e];
       for (int64_t t = 0; t < cnt; ++t) {
         if (t < first && t >= sinks_left) continue;  // overwritten later in this append
         const int64_t pos = length_[b] + t;
         const int64_t row = (b * c.kv_heads + h) * capacity_ + slot(pos);
         write_row(k.data + b * k.stride[0] + h * k.stride[1] + t * k.stride[2], k.stride[3], c.head_dim_qk, c.dtype,
-                  bits ? inv.data() : nullptr, static_cast<std::byte*>(k_.raw()) + row * kw * es,
+                  bits ? inv.data() : nullptr, outliers, static_cast<std::byte*>(k_.raw()) + row * kw * es,
                   bits ? k_scales_.data<float>() + row * k_scales_.shape()[3] : nullptr);
         write_row(v.data + b * v.stride[0] + h * v.stride[1] + t * v.stride[2], v.stride[3], c.head_dim_v, c.dtype,
-                  nullptr, static_cast<std::byte*>(v_.raw()) + row * vw * es,
+                  nullptr, nullptr, static_cast<std::byte*>(v_.raw()) + row * vw * es,
                   bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);
       }
     }

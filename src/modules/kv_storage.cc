@@ -13,24 +13,45 @@
 namespace mha::kv_storage {
 namespace {
 
-// row quantized to `bits`: codes (row_elements bytes) and (scale, minimum) pairs per group.
-// inv_channel (or nullptr): per-value multipliers (powers of two) applied first.
-void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const float* inv_channel, uint8_t* codes,
-                  float* scales) {
+// A key channel whose rms exceeds this many times the median channel's is an outlier (kept exactly).
+constexpr double kOutlierRatio = 4.0;
+
+bool is_outlier(const int64_t* outliers, int64_t c) {
+  if (!outliers) return false;
+  for (int64_t i = 0; i < kCacheKeyOutliers; ++i)
+    if (outliers[i] == c) return true;
+  return false;
+}
+
+// row quantized to `bits`: codes (row_elements bytes) and (scale, minimum) pairs per group, then
+// (keys) the outlier channels' values (NaN if not finite). inv_channel (or nullptr): per-value
+// multipliers (powers of two) applied first. Outlier channels take no part in their group: code
+// 0, value kept exactly.
+void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const float* inv_channel,
+                  const int64_t* outliers, uint8_t* codes, float* scales) {
   const int levels = (1 << bits) - 1;
   const int64_t G = kCacheQuantGroup;
   std::fill(codes, codes + quant_groups(width) * G * bits / 8, uint8_t{0});
+  if (outliers)
+    for (int64_t i = 0; i < kCacheKeyOutliers; ++i) {
+      const float x = outliers[i] >= 0 ? row[outliers[i] * cs] : 0.0f;
+      // NaN for an infinity too, as for a group (the query meets it as a NaN score).
+      scales[2 * quant_groups(width) + i] = std::isfinite(x) ? x : std::numeric_limits<float>::quiet_NaN();
+    }
   for (int64_t g = 0; g * G < width; ++g) {
     const int64_t n = std::min(G, width - g * G);
     auto value = [&](int64_t i) { return row[(g * G + i) * cs] * (inv_channel ? inv_channel[g * G + i] : 1.0f); };
     float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-    bool finite = true;
+    bool finite = true, any = false;
     for (int64_t i = 0; i < n; ++i) {
+      if (is_outlier(outliers, g * G + i)) continue;
+      any = true;
       const float v = value(i);
       finite &= std::isfinite(v);
       lo = std::min(lo, v);
       hi = std::max(hi, v);
     }
+    if (!any) lo = hi = 0.0f;  // every channel of the group an outlier
     if (!finite) {  // NaN for the whole group: never a finite stand-in for a non-finite value
       scales[2 * g] = scales[2 * g + 1] = std::numeric_limits<float>::quiet_NaN();
       continue;
@@ -41,6 +62,7 @@ void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const f
     scales[2 * g + 1] = lo;
     if (!(scale > 0.0f)) continue;  // all equal: every code 0
     for (int64_t i = 0; i < n; ++i) {
+      if (is_outlier(outliers, g * G + i)) continue;  // code 0
       const double q = std::nearbyint((static_cast<double>(value(i)) - lo) / scale);
       const auto code = static_cast<uint8_t>(std::clamp(q, 0.0, static_cast<double>(levels)));
       if (bits == 8) {
@@ -75,16 +97,20 @@ DType element_type(CacheType t) {
 
 int64_t quant_groups(int64_t width) { return (width + kCacheQuantGroup - 1) / kCacheQuantGroup; }
 
+int64_t scale_elements(int64_t width, bool keys) {
+  return 2 * quant_groups(width) + (keys ? kCacheKeyOutliers : 0);
+}
+
 int64_t row_elements(CacheType t, int64_t width) {
   const int bits = quant_bits(t);
   return bits ? quant_groups(width) * kCacheQuantGroup * bits / 8 : width;
 }
 
-void write_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel, void* data,
-               float* scales) {
+void write_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel,
+               const int64_t* outliers, void* data, float* scales) {
   const int bits = quant_bits(type);
   if (bits) {
-    quantize_row(row, cs, width, bits, inv_channel, static_cast<uint8_t*>(data), scales);
+    quantize_row(row, cs, width, bits, inv_channel, outliers, static_cast<uint8_t*>(data), scales);
     return;
   }
   const DType dtype = element_type(type);
@@ -102,12 +128,15 @@ void write_row(const float* row, int64_t cs, int64_t width, CacheType type, cons
     dst[d] = dtype == DType::kBF16 ? float_to_bf16(row[d * cs]) : float_to_half(row[d * cs]);
 }
 
-void read_row(const void* data, const float* scales, const float* channel, int64_t width, CacheType type,
-              float* dst) {
+void read_row(const void* data, const float* scales, const float* channel, const int64_t* outliers, int64_t width,
+              CacheType type, float* dst) {
   const int bits = quant_bits(type);
   if (bits) {
     for (int64_t e = 0; e < width; ++e)
       dst[e] = dequantize(static_cast<const uint8_t*>(data), scales, e, bits) * (channel ? channel[e] : 1.0f);
+    if (outliers)
+      for (int64_t i = 0; i < kCacheKeyOutliers; ++i)
+        if (outliers[i] >= 0) dst[outliers[i]] = scales[2 * quant_groups(width) + i];
     return;
   }
   if (type == CacheType::kF32) {
@@ -117,9 +146,9 @@ void read_row(const void* data, const float* scales, const float* channel, int64
   widen_to_f32(data, element_type(type), dst, width);
 }
 
-void channel_scales(const float* rows, int64_t row_stride, int64_t cs, int64_t n, int64_t D, float* s) {
+void key_channels(const float* rows, int64_t row_stride, int64_t cs, int64_t n, int64_t D, float* s,
+                  int64_t* outliers) {
   std::vector<double> rms(static_cast<size_t>(D), 0.0);
-  double mean = 0.0;
   for (int64_t c = 0; c < D; ++c) {
     double sum = 0.0;
     int64_t count = 0;
@@ -128,12 +157,30 @@ void channel_scales(const float* rows, int64_t row_stride, int64_t cs, int64_t n
       if (std::isfinite(v)) sum += v * v, ++count;
     }
     rms[c] = count ? std::sqrt(sum / static_cast<double>(count)) : 0.0;
-    mean += rms[c] / static_cast<double>(D);
   }
+  // Outliers: the largest channels of rms above kOutlierRatio · the median, at most
+  // kCacheKeyOutliers, listed in channel order (-1 for unused entries).
+  std::vector<int64_t> order(static_cast<size_t>(D));
+  for (int64_t c = 0; c < D; ++c) order[c] = c;
+  std::vector<double> sorted = rms;
+  std::nth_element(sorted.begin(), sorted.begin() + D / 2, sorted.end());
+  const double median = sorted[static_cast<size_t>(D / 2)];
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rms[a] > rms[b]; });
+  std::vector<int64_t> picked;
+  for (int64_t c : order) {
+    if (static_cast<int64_t>(picked.size()) == kCacheKeyOutliers || !(rms[c] > kOutlierRatio * median)) break;
+    picked.push_back(c);
+  }
+  std::sort(picked.begin(), picked.end());
+  for (int64_t i = 0; i < kCacheKeyOutliers; ++i)
+    outliers[i] = i < static_cast<int64_t>(picked.size()) ? picked[i] : -1;
+  double mean = 0.0;  // over the channels left in the groups
+  for (int64_t c = 0; c < D; ++c)
+    if (!is_outlier(outliers, c)) mean += rms[c] / static_cast<double>(D - static_cast<int64_t>(picked.size()));
   for (int64_t c = 0; c < D; ++c) {
     const double r = std::max(rms[c], mean);
     const int exponent = r > 0.0 && std::isfinite(r) ? static_cast<int>(std::lround(std::log2(r))) : 0;
-    s[c] = std::ldexp(1.0f, std::clamp(exponent, -30, 30));
+    s[c] = is_outlier(outliers, c) ? 1.0f : std::ldexp(1.0f, std::clamp(exponent, -30, 30));
   }
 }
 

@@ -14,16 +14,25 @@ int quant_bits(CacheType t);        // 8, 4, or 0 for the float types
 DType element_type(CacheType t);    // of the stored elements (kU8 for codes)
 int64_t quant_groups(int64_t width);
 int64_t row_elements(CacheType t, int64_t width);  // stored elements (bytes for codes) per row
+// Floats per row of an int8/int4 cache's scales: (scale, minimum) per group, then for keys the
+// kCacheKeyOutliers outlier channel values.
+int64_t scale_elements(int64_t width, bool keys);
 
 // Stores row[0 .. width) (column stride cs) at data (row_elements of the type) and, for int8/int4,
-// its group scales at scales (2 · quant_groups); inv_channel (or nullptr) multiplies it first.
-void write_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel, void* data,
-               float* scales);
-// The stored row as float32 into dst (times channel, if not nullptr).
-void read_row(const void* data, const float* scales, const float* channel, int64_t width, CacheType type, float* dst);
-// The key channel scales s[0 .. D) from rows n rows (row stride row_stride, column stride cs):
-// powers of two of max(rms_c, mean rms), see kv_cache.h.
-void channel_scales(const float* rows, int64_t row_stride, int64_t cs, int64_t n, int64_t D, float* s);
+// its scales at scales (scale_elements); inv_channel (or nullptr) multiplies it first; outliers
+// (keys, or nullptr): the kCacheKeyOutliers channels kept exactly (-1: unused).
+void write_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel,
+               const int64_t* outliers, void* data, float* scales);
+// The stored row as float32 into dst (times channel, if not nullptr; outliers as in write_row).
+void read_row(const void* data, const float* scales, const float* channel, const int64_t* outliers, int64_t width,
+              CacheType type, float* dst);
+// A sequence's key channels from its first n rows (row stride row_stride, column stride cs):
+// outliers[0 .. kCacheKeyOutliers), the channels of rms above 4× the median (the largest
+// first, at most kCacheKeyOutliers, in channel order, -1 after them), and the channel scales
+// s[0 .. D): 1 for an outlier, else the power of two nearest max(rms_c, mean rms of the
+// others). See kv_cache.h.
+void key_channels(const float* rows, int64_t row_stride, int64_t cs, int64_t n, int64_t D, float* s,
+                  int64_t* outliers);
 
 }  // namespace mha::kv_storage
 

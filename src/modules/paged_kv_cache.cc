@@ -44,8 +44,8 @@ void PagedKvCache::grow(int64_t pages) {
   plane(k_, et, row_elements(c.dtype, c.head_dim_qk));
   plane(v_, et, row_elements(c.dtype, c.head_dim_v));
   if (quant_bits(c.dtype)) {
-    plane(k_scales_, DType::kF32, 2 * quant_groups(c.head_dim_qk));
-    plane(v_scales_, DType::kF32, 2 * quant_groups(c.head_dim_v));
+    plane(k_scales_, DType::kF32, scale_elements(c.head_dim_qk, true));
+    plane(v_scales_, DType::kF32, scale_elements(c.head_dim_v, false));
   }
   refs_.resize(static_cast<size_t>(pages), 0);
   for (int64_t p = pages - 1; p >= pages_; --p) free_.push_back(p);  // lowest page taken first
@@ -91,7 +91,10 @@ PagedKvCache::Sequence& PagedKvCache::sequence(int64_t id, const char* accessor)
 int64_t PagedKvCache::add_sequence() {
   Sequence s;
   s.live = true;
-  if (quant_bits(config_.dtype)) s.channels.assign(static_cast<size_t>(config_.kv_heads * config_.head_dim_qk), 1.0f);
+  if (quant_bits(config_.dtype)) {
+    s.channels.assign(static_cast<size_t>(config_.kv_heads * config_.head_dim_qk), 1.0f);
+    s.outliers.assign(static_cast<size_t>(config_.kv_heads * kCacheKeyOutliers), -1);
+  }
   seqs_.push_back(std::move(s));
   return static_cast<int64_t>(seqs_.size()) - 1;
 }
@@ -116,6 +119,9 @@ int64_t PagedKvCache::first_position(int64_t id) const {
 }
 const std::vector<float>& PagedKvCache::key_channel_scales(int64_t id) const {
   return sequence(id, "key_channel_scales").channels;
+}
+const std::vector<int64_t>& PagedKvCache::key_outlier_channels(int64_t id) const {
+  return sequence(id, "key_outlier_channels").outliers;
 }
 
 std::vector<int64_t> PagedKvCache::sequences() const {
@@ -175,8 +181,8 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
   const int bits = quant_bits(c.dtype);
   if (bits && !s.channels_fixed) {
     for (int64_t h = 0; h < c.kv_heads; ++h)
-      channel_scales(k.data + h * k.stride[0], k.stride[1], k.stride[2], n, c.head_dim_qk,
-                     s.channels.data() + h * c.head_dim_qk);
+      key_channels(k.data + h * k.stride[0], k.stride[1], k.stride[2], n, c.head_dim_qk,
+                   s.channels.data() + h * c.head_dim_qk, s.outliers.data() + h * kCacheKeyOutliers);
     s.channels_fixed = true;
   }
   std::vector<float> inv(bits ? static_cast<size_t>(c.head_dim_qk) : 0);
@@ -188,9 +194,10 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
       const int64_t page = s.table[pos / P - s.first_page];
       const int64_t row = (page * c.kv_heads + h) * P + pos % P;
       write_row(k.data + h * k.stride[0] + t * k.stride[1], k.stride[2], c.head_dim_qk, c.dtype,
-                bits ? inv.data() : nullptr, static_cast<std::byte*>(k_.raw()) + row * kw * es,
+                bits ? inv.data() : nullptr, bits ? s.outliers.data() + h * kCacheKeyOutliers : nullptr,
+                static_cast<std::byte*>(k_.raw()) + row * kw * es,
                 bits ? k_scales_.data<float>() + row * k_scales_.shape()[3] : nullptr);
-      write_row(v.data + h * v.stride[0] + t * v.stride[1], v.stride[2], c.head_dim_v, c.dtype, nullptr,
+      write_row(v.data + h * v.stride[0] + t * v.stride[1], v.stride[2], c.head_dim_v, c.dtype, nullptr, nullptr,
                 static_cast<std::byte*>(v_.raw()) + row * vw * es,
                 bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);
     }
@@ -218,7 +225,8 @@ Tensor PagedKvCache::as_float(int64_t id, bool keys) const {
       const int64_t row = (s.table[pos / P - s.first_page] * c.kv_heads + h) * P + pos % P;
       read_row(static_cast<const std::byte*>(data.raw()) + row * width * es,
                scales.defined() ? scales.data<float>() + row * scales.shape()[3] : nullptr,
-               keys && !s.channels.empty() ? s.channels.data() + h * D : nullptr, D, c.dtype,
+               keys && !s.channels.empty() ? s.channels.data() + h * D : nullptr,
+               keys && !s.outliers.empty() ? s.outliers.data() + h * kCacheKeyOutliers : nullptr, D, c.dtype,
                out.data<float>() + (h * (s.length - first) + pos - first) * D);
     }
   return out;

@@ -64,6 +64,7 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
   std::vector<int64_t> table(static_cast<size_t>(S) * width, 0);
   const bool quantized = kv_storage::quant_bits(c.dtype) != 0;
   std::vector<float> channels(quantized ? static_cast<size_t>(S * c.kv_heads * c.head_dim_qk) : 0);
+  std::vector<int64_t> outliers(quantized ? static_cast<size_t>(S * c.kv_heads * kCacheKeyOutliers) : 0);
   int64_t kv_len = n;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t first = cache.first_position(ids[s]);  // kernel key j is position first + j
@@ -75,6 +76,8 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
     if (quantized) {
       const std::vector<float>& ch = cache.key_channel_scales(ids[s]);
       std::copy(ch.begin(), ch.end(), channels.begin() + s * c.kv_heads * c.head_dim_qk);
+      const std::vector<int64_t>& out_ch = cache.key_outlier_channels(ids[s]);
+      std::copy(out_ch.begin(), out_ch.end(), outliers.begin() + s * c.kv_heads * kCacheKeyOutliers);
     }
   }
   kernels::AttentionParams p =
@@ -101,6 +104,8 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
     p.v_scale_stride = {c.kv_heads * P * vs.shape()[3], P * vs.shape()[3], vs.shape()[3], 1};
     p.k_channel_scales = channels.data();
     p.k_channel_stride = {c.kv_heads * c.head_dim_qk, c.head_dim_qk, 1, 0};
+    p.k_outliers = outliers.data();
+    p.k_outlier_stride = {c.kv_heads * kCacheKeyOutliers, kCacheKeyOutliers, 1, 0};
   }
   if (kernels::decode_applies(p)) {
     kernels::flash_decode(p, options.num_threads);
@@ -166,6 +171,9 @@ bool attention_over_quantized_cache(const View<const float>& q, const KvCache& c
   p.v_scale_stride = strides_of(vs.stride);
   p.k_channel_scales = ch.data;
   p.k_channel_stride = {ch.stride[0], ch.stride[1], ch.stride[2], 0};
+  const View<const int64_t> outliers = cache.key_outlier_channels();
+  p.k_outliers = outliers.data;
+  p.k_outlier_stride = {outliers.stride[0], outliers.stride[1], outliers.stride[2], 0};
   if (!kernels::decode_applies(p)) return false;
   kernels::flash_decode(p, options.num_threads);
   return true;

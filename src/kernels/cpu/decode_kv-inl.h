@@ -56,6 +56,7 @@ template <typename T>
 struct PlainKv {
   using Row = const T*;
   static constexpr bool kPadded = false;  // rows end at D: a partial last vector needs LoadPartial
+  static constexpr bool kOutliers = false;
   const T* k;
   const T* v;
   RowOffset kr, vr;
@@ -91,6 +92,7 @@ struct QuantKv {
     const float* scales;  // (scale, minimum) per group
   };
   static constexpr bool kPadded = true;  // rows hold whole groups of 32 values (N divides 32)
+  static constexpr bool kOutliers = true;  // keys may have outlier channels (KeyOutlier)
   static constexpr size_t kGroup = static_cast<size_t>(kCacheQuantGroup);
   const uint8_t* k;
   const uint8_t* v;
@@ -98,6 +100,7 @@ struct QuantKv {
   const float* vsc;
   RowOffset kr, vr, ksr, vsr;
   size_t kbytes, vbytes;  // a key's / value's codes: whole groups of kBits each
+  size_t kout;            // where a key's outlier channel values start in its scales row
   QuantKv(const AttentionParams& p, int64_t b, int64_t hk)
       : k(static_cast<const uint8_t*>(p.k) + PlaneStart(p, p.k_stride, b, hk)),
         v(static_cast<const uint8_t*>(p.v) + PlaneStart(p, p.v_stride, b, hk)),
@@ -105,12 +108,14 @@ struct QuantKv {
         vsc(p.v_scales + PlaneStart(p, p.v_scale_stride, b, hk)),
         kr(p, b, p.k_stride[0], p.k_stride[2]), vr(p, b, p.v_stride[0], p.v_stride[2]),
         ksr(p, b, p.k_scale_stride[0], p.k_scale_stride[2]), vsr(p, b, p.v_scale_stride[0], p.v_scale_stride[2]),
-        kbytes(RowBytes(p.head_dim_qk)), vbytes(RowBytes(p.head_dim_v)) {}
+        kbytes(RowBytes(p.head_dim_qk)), vbytes(RowBytes(p.head_dim_v)), kout(2 * kbytes / (kGroup * kBits / 8)) {}
   static size_t RowBytes(int64_t dim) {
     return (static_cast<size_t>(dim) + kGroup - 1) / kGroup * kGroup * kBits / 8;
   }
   Row key(int64_t j) const { return {k + kr(j), ksc + ksr(j)}; }
   Row value(int64_t j) const { return {v + vr(j), vsc + vsr(j)}; }
+  // The exact value of key row r's outlier channel i (the i-th of p.k_outliers).
+  float KeyOutlier(Row r, size_t i) const { return r.scales[kout + i]; }
   // Codes [i, i + N) of group g as float (i a multiple of N, N divides the group).
   HWY_INLINE static hn::Vec<DF> Codes(DF d, Row r, size_t g, size_t i) {
     const hn::Rebind<uint8_t, DF> d8;
@@ -139,12 +144,14 @@ struct QuantKv {
         hn::Store(hn::MulAdd(Codes(d, r, g, i), scale, minimum), d, dst + (g * kGroup + i) / N * stride);
     }
   }
-  void PrefetchKey(int64_t j) const { PrefetchRow(key(j), kbytes); }
-  void PrefetchValue(int64_t j) const { PrefetchRow(value(j), vbytes); }
-  // The row's codes and its (scale, minimum) pairs: 8 bytes per group of kGroup codes.
-  static void PrefetchRow(Row r, size_t bytes) {
+  void PrefetchKey(int64_t j) const {
+    PrefetchRow(key(j), kbytes, (kout + static_cast<size_t>(kCacheKeyOutliers)) * sizeof(float));
+  }
+  void PrefetchValue(int64_t j) const { PrefetchRow(value(j), vbytes, vbytes / (kGroup * kBits / 8) * 8); }
+  // The row's codes and its scales row: (scale, minimum) pairs, 8 bytes per group of kGroup
+  // codes, then for keys the outlier values.
+  static void PrefetchRow(Row r, size_t bytes, size_t scale_bytes) {
     for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(r.codes + b, 0, 1);
-    const size_t scale_bytes = bytes / (kGroup * kBits / 8) * 8;
     for (size_t b = 0; b < scale_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(r.scales) + b, 0, 1);
   }
 };

@@ -222,9 +222,22 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   int64_t ua = k1, ub = k0;
   const float* channel =
       p.k_channel_scales ? p.k_channel_scales + b * p.k_channel_stride[0] + hk * p.k_channel_stride[1] : nullptr;
+  // Outlier key channels (quantized caches): the query meets their exact values (qo · the
+  // keys' outlier values, added to the scores), not their codes (its entries there are zeroed).
+  constexpr int64_t kOut = kCacheKeyOutliers;
+  const int64_t* outliers =
+      Kv::kOutliers && p.k_outliers ? p.k_outliers + b * p.k_outlier_stride[0] + hk * p.k_outlier_stride[1] : nullptr;
+  size_t nout = 0;
+  while (outliers && nout < static_cast<size_t>(kOut) && outliers[nout] >= 0) ++nout;
+  float qo[kMaxDecodeRows * kOut];
+  HWY_ALIGN float ostage[kOut * hn::MaxLanes(DF())];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
     LoadQueryRow(d, p, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2], channel, D, ldq, qs + r * ldq);
+    for (size_t x = 0; x < nout; ++x) {
+      qo[r * kOut + static_cast<int64_t>(x)] = qs[r * static_cast<int64_t>(ldq) + outliers[x]];
+      qs[r * static_cast<int64_t>(ldq) + outliers[x]] = 0.0f;
+    }
     const KeyRange k = visible_keys(p, b, i);
     lo[r] = std::max(k.lo, k0);
     hi[r] = std::min(k.hi, k1);
@@ -273,8 +286,16 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       if constexpr (kStage) {
         // Widen or dequantize the N keys once into the stage (L1), which every query row reads.
         for (size_t x = 0; x < N; ++x) kv.Stage(d, krows[x], depth, kstage + x * N, N * N);
-        for (int64_t r = 0; r < R; ++r)
-          hn::Store(StagedScores(d, qs + r * ldq, kstage, ldq / N), d, s + r * block + kb * N);
+        if constexpr (Kv::kOutliers) {
+          for (size_t x = 0; x < N; ++x)
+            for (size_t i = 0; i < nout; ++i) ostage[i * N + x] = kv.KeyOutlier(krows[x], i);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          auto sc = StagedScores(d, qs + r * ldq, kstage, ldq / N);
+          for (size_t i = 0; i < nout; ++i)
+            sc = hn::MulAdd(hn::Set(d, qo[r * kOut + static_cast<int64_t>(i)]), hn::Load(d, ostage + i * N), sc);
+          hn::Store(sc, d, s + r * block + kb * N);
+        }
       } else {
         for (int64_t r = 0; r < R; ++r) {
           const auto sc = tail ? DotScores<true>(d, qs + r * ldq, kv, krows, depth)
