@@ -16,6 +16,7 @@
 
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
+#include "kernels/cpu/prefetch.h"
 #include "mha/kv_cache.h"
 #include "util/convert-inl.h"
 
@@ -25,6 +26,8 @@ namespace decode {
 
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
+// Where PrefetchKey / PrefetchValue ask for a row's lines.
+constexpr PrefetchTo kTo = PrefetchTo::kL2;
 
 // The first n (< N) elements at p as floats, zeros after them.
 HWY_INLINE hn::Vec<DF> LoadTail(DF d, const float* p, size_t n) { return hn::MaskedLoad(hn::FirstN(d, n), d, p); }
@@ -77,12 +80,8 @@ struct PlainKv {
     for (size_t c = 0; c < depth; c += N)
       hn::Store(c + N > depth ? LoadPartial(d, r, c, depth - c) : Load(d, r, c), d, dst + c / N * stride);
   }
-  void PrefetchKey(int64_t j) const { PrefetchRow(key(j), kdim); }
-  void PrefetchValue(int64_t j) const { PrefetchRow(value(j), vdim); }
-  static void PrefetchRow(const T* row, size_t n) {
-    constexpr size_t kLine = 64 / sizeof(T);  // elements per cache line
-    for (size_t dd = 0; dd < n; dd += kLine) __builtin_prefetch(row + dd, 0, 1);
-  }
+  HWY_INLINE void PrefetchKey(int64_t j) const { PrefetchLines<kTo>(key(j), kdim * sizeof(T)); }
+  HWY_INLINE void PrefetchValue(int64_t j) const { PrefetchLines<kTo>(value(j), vdim * sizeof(T)); }
 };
 
 template <int kBits>
@@ -144,15 +143,17 @@ struct QuantKv {
         hn::Store(hn::MulAdd(Codes(d, r, g, i), scale, minimum), d, dst + (g * kGroup + i) / N * stride);
     }
   }
-  void PrefetchKey(int64_t j) const {
-    PrefetchRow(key(j), kbytes, (kout + static_cast<size_t>(kCacheKeyOutliers)) * sizeof(float));
+  // A row's codes and its scales row: (scale, minimum) pairs, 8 bytes per group of kGroup codes,
+  // then for keys the outlier values.
+  HWY_INLINE void PrefetchKey(int64_t j) const {
+    const Row r = key(j);
+    PrefetchLines<kTo>(r.codes, kbytes);
+    PrefetchLines<kTo>(r.scales, (kout + static_cast<size_t>(kCacheKeyOutliers)) * sizeof(float));
   }
-  void PrefetchValue(int64_t j) const { PrefetchRow(value(j), vbytes, vbytes / (kGroup * kBits / 8) * 8); }
-  // The row's codes and its scales row: (scale, minimum) pairs, 8 bytes per group of kGroup
-  // codes, then for keys the outlier values.
-  static void PrefetchRow(Row r, size_t bytes, size_t scale_bytes) {
-    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(r.codes + b, 0, 1);
-    for (size_t b = 0; b < scale_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(r.scales) + b, 0, 1);
+  HWY_INLINE void PrefetchValue(int64_t j) const {
+    const Row r = value(j);
+    PrefetchLines<kTo>(r.codes, vbytes);
+    PrefetchLines<kTo>(r.scales, vbytes / (kGroup * kBits / 8) * 2 * sizeof(float));
   }
 };
 

@@ -13,12 +13,12 @@
 #include <limits>
 #include <type_traits>
 
-#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
 #include "util/convert-inl.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash_plan.h"
+#include "kernels/cpu/prefetch.h"
 #include "kernels/cpu/tiles-inl.h"
 #include "kernels/cpu/transpose-inl.h"
 #include "kernels/dropout.h"
@@ -222,8 +222,7 @@ template <typename T>
 HWY_INLINE void PrefetchRows(const T* base, int64_t rs, int64_t first, int64_t n, int64_t last, int64_t width) {
   const size_t bytes = static_cast<size_t>(width) * sizeof(T);
   for (int64_t x = 0; x < n; ++x) {
-    const char* row = reinterpret_cast<const char*>(base + std::min(first + x, last) * rs);
-    for (size_t b = 0; b < bytes; b += 64) hwy::Prefetch(row + b);
+    PrefetchLines<PrefetchTo::kL1>(base + std::min(first + x, last) * rs, bytes);
   }
 }
 
