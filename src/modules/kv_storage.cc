@@ -36,7 +36,7 @@ void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const f
     for (int64_t i = 0; i < kCacheKeyOutliers; ++i) {
       const float x = outliers[i] >= 0 ? row[outliers[i] * cs] : 0.0f;
       // NaN for an infinity too, as for a group (the query meets it as a NaN score).
-      scales[2 * quant_groups(width) + i] = std::isfinite(x) ? x : std::numeric_limits<float>::quiet_NaN();
+      scales[outlier_offset(width) + i] = std::isfinite(x) ? x : std::numeric_limits<float>::quiet_NaN();
     }
   for (int64_t g = 0; g * G < width; ++g) {
     const int64_t n = std::min(G, width - g * G);
@@ -97,9 +97,9 @@ DType element_type(CacheType t) {
 
 int64_t quant_groups(int64_t width) { return (width + kCacheQuantGroup - 1) / kCacheQuantGroup; }
 
-int64_t scale_elements(int64_t width, bool keys) {
-  return 2 * quant_groups(width) + (keys ? kCacheKeyOutliers : 0);
-}
+int64_t outlier_offset(int64_t width) { return 2 * quant_groups(width); }
+
+int64_t scale_elements(int64_t width, bool keys) { return outlier_offset(width) + (keys ? kCacheKeyOutliers : 0); }
 
 int64_t row_elements(CacheType t, int64_t width) {
   const int bits = quant_bits(t);
@@ -136,7 +136,7 @@ void read_row(const void* data, const float* scales, const float* channel, const
       dst[e] = dequantize(static_cast<const uint8_t*>(data), scales, e, bits) * (channel ? channel[e] : 1.0f);
     if (outliers)
       for (int64_t i = 0; i < kCacheKeyOutliers; ++i)
-        if (outliers[i] >= 0) dst[outliers[i]] = scales[2 * quant_groups(width) + i];
+        if (outliers[i] >= 0) dst[outliers[i]] = scales[outlier_offset(width) + i];
     return;
   }
   if (type == CacheType::kF32) {

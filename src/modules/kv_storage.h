@@ -15,8 +15,9 @@ DType element_type(CacheType t);    // of the stored elements (kU8 for codes)
 int64_t quant_groups(int64_t width);
 int64_t row_elements(CacheType t, int64_t width);  // stored elements (bytes for codes) per row
 // Floats per row of an int8/int4 cache's scales: (scale, minimum) per group, then for keys the
-// kCacheKeyOutliers outlier channel values.
+// kCacheKeyOutliers outlier channel values, from outlier_offset(width) on.
 int64_t scale_elements(int64_t width, bool keys);
+int64_t outlier_offset(int64_t width);
 
 // Stores row[0 .. width) (column stride cs) at data (row_elements of the type) and, for int8/int4,
 // its scales at scales (scale_elements); inv_channel (or nullptr) multiplies it first; outliers
