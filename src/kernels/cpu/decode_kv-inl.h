@@ -1,9 +1,10 @@
 // How the decode kernel (flash_decode.cc) reads the keys and values of one (batch, kv head):
 // PlainKv<T> (elements of T, widened on load) or QuantKv<kBits> (int8/int4 cache codes,
 // dequantized on load as minimum + scale · code), contiguous or through a paged pool's block
-// table. Row(j) is key or value j; Load(d, row, c) gives values [c, c + N) as floats; Stage
-// writes a whole row's floats; PrefetchKey(j) / PrefetchValue(j) ask for a row's cache lines
-// (into L2).
+// table. key(j) / value(j) is the Row of key or value j; Columns(row, c0) is that row from
+// column c0 on (c0 a multiple of kColumnAlign); Load(d, row, c) gives values [c, c + N) as
+// floats; Stage writes a whole row's floats; PrefetchKey(j) / PrefetchValue(j) ask for a row's
+// cache lines (into L2).
 #if defined(MHA_KERNELS_CPU_DECODE_KV_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_KV_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_KV_INL_H_
@@ -71,6 +72,8 @@ struct PlainKv {
         kdim(static_cast<size_t>(p.head_dim_qk)), vdim(static_cast<size_t>(p.head_dim_v)) {}
   Row key(int64_t j) const { return k + kr(j); }
   Row value(int64_t j) const { return v + vr(j); }
+  static constexpr size_t kColumnAlign = 1;
+  static Row Columns(Row r, size_t c0) { return r + c0; }
   HWY_INLINE hn::Vec<DF> Load(DF d, Row r, size_t c) const { return LoadAsFloat(d, r + c); }
   HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t n) const { return LoadTail(d, r + c, n); }
   // Values [0, depth) of row r widened to float, zeros after them up to whole vectors, vector i
@@ -113,6 +116,10 @@ struct QuantKv {
   }
   Row key(int64_t j) const { return {k + kr(j), ksc + ksr(j)}; }
   Row value(int64_t j) const { return {v + vr(j), vsc + vsr(j)}; }
+  static constexpr size_t kColumnAlign = kGroup;  // Columns starts at a group
+  static Row Columns(Row r, size_t c0) {
+    return {r.codes + c0 / kGroup * (kGroup * kBits / 8), r.scales + c0 / kGroup * 2};
+  }
   // The exact value of key row r's outlier channel i (the i-th of p.k_outliers).
   float KeyOutlier(Row r, size_t i) const { return r.scales[kout + i]; }
   // Codes [i, i + N) of group g as float (i a multiple of N, N divides the group).
@@ -139,8 +146,8 @@ struct QuantKv {
     const size_t N = hn::Lanes(d);
     for (size_t g = 0; g < depth / kGroup; ++g) {
       const auto scale = hn::Set(d, r.scales[2 * g]), minimum = hn::Set(d, r.scales[2 * g + 1]);
-      for (size_t i = 0; i < kGroup; i += N)
-        hn::Store(hn::MulAdd(Codes(d, r, g, i), scale, minimum), d, dst + (g * kGroup + i) / N * stride);
+      for (size_t i = 0; i < kGroup; i += N, dst += stride)
+        hn::Store(hn::MulAdd(Codes(d, r, g, i), scale, minimum), d, dst);
     }
   }
   // A row's codes and its scales row: (scale, minimum) pairs, 8 bytes per group of kGroup codes,

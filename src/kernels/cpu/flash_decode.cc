@@ -43,7 +43,11 @@ using decode::QuantKv;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr size_t kBlockVecs = 4;  // keys per block: 4 vectors
+// Keys per block: 8 vectors. Each block pays a softmax update per row (horizontal max and sum,
+// a scalar exp2) and each output pass's setup: 8 vectors took the cache-resident bfloat16 and
+// int8 steps ~7% below 4 vectors' (docs/benchmarks.md); 16 were slower again.
+constexpr size_t kBlockVecs = 8;
+constexpr size_t kOutVecs = 4;    // value columns per output pass: 4 vectors (DecodeOutputCols)
 constexpr int64_t kPrefetchBlocks = 1;  // K and V are prefetched one block ahead
 constexpr int64_t kMaxChunkKeys = int64_t{1} << 16;  // keys per chunk at most (a multiple of any block)
 #if HWY_TARGET <= HWY_AVX3
@@ -97,12 +101,12 @@ HWY_INLINE hn::Vec<DF> StagedScores(DF d, const float* q, const float* HWY_RESTR
   return SumLanesOfEach(d, acc);
 }
 
-// O[r][c0 + c·N ..] = alpha[r]·O + Σ_{j < jn} P[r][j] · V[j0 + j][c0 + c·N ..] for rows
-// [r0, r0 + RG) and NV vectors of columns. kTail: the last vector is partial (ncols % N != 0).
+// O[r][c0 + c·N ..] = alpha[r]·O + Σ_{j < jn} P[r][j] · V_j[c0 + c·N ..] for rows [r0, r0 + RG)
+// and NV vectors of columns, V_j = vrows[j]. kTail: the last vector is partial (ncols % N != 0).
 // Value rows [prefetch.lo, prefetch.hi) are prefetched one per j (an empty range: none).
 template <size_t RG, size_t NV, bool kTail, class Kv>
-HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, int64_t j0, size_t c0, size_t ncols,
-                             size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
+HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows, size_t c0,
+                             size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
   using V = hn::Vec<DF>;
   const size_t N = hn::Lanes(d);
   V acc[RG][NV];
@@ -111,12 +115,19 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, in
     for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::Mul(hn::Load(d, o + r * ldo + c * N), a);
   }
   const size_t tail = ncols - (NV - 1) * N;
+  // Each row advanced to column c0 (to its last Columns boundary, with the rest in `skip`), so
+  // that the loads below are constant offsets from it. A pass of kOutVecs whole vectors starts
+  // at a boundary (on AVX3 and AVX2: 64 and 32 columns, quantized groups of 32): skip is 0 at
+  // compile time. (Offsets computed per load, spilled for want of registers, took ~6% of the
+  // cache-resident int8 step; docs/benchmarks.md.)
+  constexpr size_t kAlign = Kv::kColumnAlign;
+  const size_t skip = !HWY_HAVE_SCALABLE && kOutVecs * hn::MaxLanes(DF()) % kAlign == 0 ? 0 : c0 % kAlign;
   for (size_t j = 0; j < jn; ++j) {
-    const auto vj = kv.value(j0 + static_cast<int64_t>(j));
+    const auto vj = Kv::Columns(vrows[j], c0 - skip);
     if (prefetch.lo + static_cast<int64_t>(j) < prefetch.hi) kv.PrefetchValue(prefetch.lo + static_cast<int64_t>(j));
     V x[NV];
     for (size_t c = 0; c < NV; ++c)
-      x[c] = kTail && c + 1 == NV ? kv.LoadPartial(d, vj, c0 + c * N, tail) : kv.Load(d, vj, c0 + c * N);
+      x[c] = kTail && c + 1 == NV ? kv.LoadPartial(d, vj, skip + c * N, tail) : kv.Load(d, vj, skip + c * N);
     for (size_t r = 0; r < RG; ++r) {
       const V pb = hn::Set(d, pr[r * ldp + j]);
       for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pb, x[c], acc[r][c]);
@@ -127,18 +138,20 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, in
 }
 
 template <size_t RG, class Kv>
-HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv, int64_t j0, size_t c0, size_t ncols,
-                                 size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
+HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows,
+                                 size_t c0, size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo,
+                                 KeyRange prefetch) {
   const size_t N = hn::Lanes(d), nv = (ncols + N - 1) / N;
   const bool tail = ncols % N != 0;
-#define MHA_DECODE_OUTPUT(NV)                                                                       \
-  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, j0, c0, ncols, jn, alpha, o, ldo, prefetch)    \
-       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, j0, c0, ncols, jn, alpha, o, ldo, prefetch)
+#define MHA_DECODE_OUTPUT(NV)                                                                      \
+  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch) \
+       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch)
+  static_assert(kOutVecs == 4, "a case for each vector count up to kOutVecs");
   switch (nv) {
     case 1: MHA_DECODE_OUTPUT(1); break;
     case 2: MHA_DECODE_OUTPUT(2); break;
     case 3: MHA_DECODE_OUTPUT(3); break;
-    default: MHA_DECODE_OUTPUT(4); break;
+    default: MHA_DECODE_OUTPUT(kOutVecs); break;
   }
 #undef MHA_DECODE_OUTPUT
 }
@@ -250,6 +263,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   }
   const Kv kv(p, b, hk);
   typename Kv::Row krows[hn::MaxLanes(DF())];
+  typename Kv::Row vrows[kBlockVecs * hn::MaxLanes(DF())];
   // Keys not of float are widened or dequantized once per N keys into a stage interleaved by
   // vector, which every query row then reads (StagedScores).
   constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*>;
@@ -347,22 +361,26 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       m[r] = m_new;
     }
-    for (size_t c0 = 0; c0 < Dv; c0 += block) {
-      const size_t nc = std::min(block, Dv - c0);
+    // The block's value rows, found once for every pass below.
+    for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
+    for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
+      const size_t nc = std::min(kOutVecs * N, Dv - c0);
       ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
         float* oc = o + r0 * dvp + c0;
         const float* pr = s + r0 * block;
         // The next block's value rows, one per key of the first pass over this block's.
         const KeyRange prefetch = r0 == 0 && c0 == 0 ? KeyRange{j0 + ahead_keys, ub} : KeyRange{0, 0};
         switch (rg) {
-          case 1: DecodeOutputCols<1>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
+          case 1: DecodeOutputCols<1>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
 #if HWY_TARGET <= HWY_AVX3
-          case 2: DecodeOutputCols<2>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
-          case 3: DecodeOutputCols<3>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
-          case 4: DecodeOutputCols<4>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
-          case 5: DecodeOutputCols<5>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
+          case 2: DecodeOutputCols<2>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
+          case 3: DecodeOutputCols<3>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
+          case 4: DecodeOutputCols<4>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
+          case 5: DecodeOutputCols<5>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
 #endif
-          default: DecodeOutputCols<kRowGroup>(d, pr, block, kv, j0, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
+          default:
+            DecodeOutputCols<kRowGroup>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch);
+            break;
         }
       });
     }
