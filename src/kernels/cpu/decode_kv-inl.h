@@ -96,6 +96,7 @@ struct QuantKv {
   static constexpr bool kPadded = true;  // rows hold whole groups of 32 values (N divides 32)
   static constexpr bool kOutliers = true;  // keys may have outlier channels (KeyOutlier)
   static constexpr size_t kGroup = static_cast<size_t>(kCacheQuantGroup);
+  static constexpr size_t kGroupBytes = kGroup * kBits / 8;  // a group's codes
   const uint8_t* k;
   const uint8_t* v;
   const float* ksc;
@@ -110,15 +111,15 @@ struct QuantKv {
         vsc(p.v_scales + PlaneStart(p, p.v_scale_stride, b, hk)),
         kr(p, b, p.k_stride[0], p.k_stride[2]), vr(p, b, p.v_stride[0], p.v_stride[2]),
         ksr(p, b, p.k_scale_stride[0], p.k_scale_stride[2]), vsr(p, b, p.v_scale_stride[0], p.v_scale_stride[2]),
-        kbytes(RowBytes(p.head_dim_qk)), vbytes(RowBytes(p.head_dim_v)), kout(2 * kbytes / (kGroup * kBits / 8)) {}
+        kbytes(RowBytes(p.head_dim_qk)), vbytes(RowBytes(p.head_dim_v)), kout(2 * kbytes / kGroupBytes) {}
   static size_t RowBytes(int64_t dim) {
-    return (static_cast<size_t>(dim) + kGroup - 1) / kGroup * kGroup * kBits / 8;
+    return (static_cast<size_t>(dim) + kGroup - 1) / kGroup * kGroupBytes;
   }
   Row key(int64_t j) const { return {k + kr(j), ksc + ksr(j)}; }
   Row value(int64_t j) const { return {v + vr(j), vsc + vsr(j)}; }
   static constexpr size_t kColumnAlign = kGroup;  // Columns starts at a group
   static Row Columns(Row r, size_t c0) {
-    return {r.codes + c0 / kGroup * (kGroup * kBits / 8), r.scales + c0 / kGroup * 2};
+    return {r.codes + c0 / kGroup * kGroupBytes, r.scales + c0 / kGroup * 2};
   }
   // The exact value of key row r's outlier channel i (the i-th of p.k_outliers).
   float KeyOutlier(Row r, size_t i) const { return r.scales[kout + i]; }
@@ -128,9 +129,9 @@ struct QuantKv {
     const hn::RebindToSigned<DF> di;
     hn::Vec<decltype(di)> x;
     if constexpr (kBits == 8) {
-      x = hn::PromoteTo(di, hn::LoadU(d8, r.codes + g * kGroup + i));
+      x = hn::PromoteTo(di, hn::LoadU(d8, r.codes + g * kGroupBytes + i));
     } else {  // byte i of the group's 16 holds value i (low nibble) and value i + 16 (high)
-      x = hn::PromoteTo(di, hn::LoadU(d8, r.codes + g * (kGroup / 2) + i % (kGroup / 2)));
+      x = hn::PromoteTo(di, hn::LoadU(d8, r.codes + g * kGroupBytes + i % (kGroup / 2)));
       x = i < kGroup / 2 ? hn::And(x, hn::Set(di, 0xF)) : hn::ShiftRight<4>(x);
     }
     return hn::ConvertTo(d, x);
@@ -160,7 +161,7 @@ struct QuantKv {
   HWY_INLINE void PrefetchValue(int64_t j) const {
     const Row r = value(j);
     PrefetchLines<kTo>(r.codes, vbytes);
-    PrefetchLines<kTo>(r.scales, vbytes / (kGroup * kBits / 8) * 2 * sizeof(float));
+    PrefetchLines<kTo>(r.scales, vbytes / kGroupBytes * 2 * sizeof(float));
   }
 };
 
