@@ -19,14 +19,34 @@ namespace {
 
 int bits_of(CacheType t) { return t == CacheType::kInt8 ? 8 : 4; }
 
-// Value c of row `r` (b, h, slot flattened) of a quantized plane, decoded from the documented
-// format independently of the library.
+// Element `index` of the 16 rows of (b, h)'s tile of `slot` (key tiles: kv_cache.h).
+template <typename T>
+T tile_element(const View<const T>& x, int64_t b, int64_t h, int64_t slot, int64_t index) {
+  const int64_t width = x.shape[3], first = slot / 16 * 16;
+  return x.at(b, h, first + index / width, index % width);
+}
+
+// Scale element e of slot `slot` of (b, h) of a quantized plane of keys (tiles) or values (rows).
+float scale_at(const View<const float>& scales, int64_t b, int64_t h, int64_t slot, int64_t e, bool keys) {
+  return keys ? tile_element(scales, b, h, slot, 16 * e + slot % 16) : scales.at(b, h, slot, e);
+}
+
+// Value c of a slot of (b, h) of a quantized plane, decoded from the documented format
+// independently of the library.
 double decode(const View<const uint8_t>& codes, const View<const float>& scales, int64_t b, int64_t h, int64_t slot,
-              int64_t c, int bits) {
+              int64_t c, int bits, bool keys) {
   const int64_t g = c / 32, i = c % 32;
-  const uint8_t byte = bits == 8 ? codes.at(b, h, slot, c) : codes.at(b, h, slot, g * 16 + i % 16);
-  const int code = bits == 8 ? byte : i < 16 ? byte & 0xF : byte >> 4;
-  return scales.at(b, h, slot, 2 * g + 1) + static_cast<double>(scales.at(b, h, slot, 2 * g)) * code;
+  int code;
+  if (keys) {  // words of 64 bytes, 4 per slot of the tile: 4 (int8) or 8 (int4) channels each
+    const int64_t per_word = 32 / bits, k = c % per_word;
+    const uint8_t byte = tile_element(codes, b, h, slot, c / per_word * 64 + slot % 16 * 4 + k % 4);
+    code = bits == 8 ? byte : k < 4 ? byte & 0xF : byte >> 4;
+  } else {
+    const uint8_t byte = bits == 8 ? codes.at(b, h, slot, c) : codes.at(b, h, slot, g * 16 + i % 16);
+    code = bits == 8 ? byte : i < 16 ? byte & 0xF : byte >> 4;
+  }
+  return scale_at(scales, b, h, slot, 2 * g + 1, keys) +
+         static_cast<double>(scale_at(scales, b, h, slot, 2 * g, keys)) * code;
 }
 
 class KvCacheQuant : public ::testing::TestWithParam<CacheType> {};
@@ -40,17 +60,19 @@ TEST_P(KvCacheQuant, StoresTheDocumentedFormat) {
   c.kv_heads = 2;
   c.head_dim_qk = 40;  // a whole group and a partial one
   c.head_dim_v = 70;
-  c.capacity = 1;  // grows below
+  c.capacity = 1;  // whole key tiles: 16 slots, grown to 32 below (copying the first tile)
   c.dtype = GetParam();
   KvCache cache(c);
+  EXPECT_EQ(cache.capacity(), 16);
   Rng rng(base_seed() + 800);
-  Tensor k = random_tensor(rng, {2, 2, 5, 40}), v = random_tensor(rng, {2, 2, 5, 70});
+  Tensor k = random_tensor(rng, {2, 2, 20, 40}), v = random_tensor(rng, {2, 2, 20, 70});
   for (int64_t b = 0; b < 2; ++b)
-    for (int64_t t = 0; t < 5; ++t) k.view<float>().at(b, 1, t, 3) *= 20;  // an outlier channel in head 1
+    for (int64_t t = 0; t < 20; ++t) k.view<float>().at(b, 1, t, 3) *= 20;  // an outlier channel in head 1
   cache.append(k.view<float>(), v.view<float>(), {3, 5});
-  cache.append(k.view<float>(), v.view<float>(), {2, 0});
-  ASSERT_EQ(cache.length(0), 5);
-  ASSERT_EQ(cache.length(1), 5);
+  cache.append(k.view<float>(), v.view<float>(), {14, 15});
+  ASSERT_EQ(cache.length(0), 17);
+  ASSERT_EQ(cache.length(1), 20);
+  EXPECT_EQ(cache.capacity(), 32);
   const View<const uint8_t> kc = cache.key_codes(), vc = cache.value_codes();
   const View<const float> ks = cache.key_scales(), vs = cache.value_scales(), ch = cache.key_channel_scales();
   const View<const int64_t> outliers = cache.key_outlier_channels();
@@ -78,46 +100,51 @@ TEST_P(KvCacheQuant, StoresTheDocumentedFormat) {
         EXPECT_EQ(std::frexp(ch.at(b, h, e), &exponent), 0.5f);
         if (outlier_index(e) >= 0) EXPECT_EQ(ch.at(b, h, e), 1.0f);
       }
-      for (int64_t slot = 0; slot < 5; ++slot) {
-        // Sequence 0 appended positions 0-2 from rows 0-2 and 3-4 from rows 0-1.
-        const int64_t t = b == 0 && slot >= 3 ? slot - 3 : slot;
+      for (int64_t slot = 0; slot < cache.length(b); ++slot) {
+        // Sequence 0 appended positions 0-2 from rows 0-2, then 3-16 from rows 0-13; sequence 1
+        // positions 0-4, then 5-19 from rows 0-14.
+        const int64_t first = b == 0 ? 3 : 5;
+        const int64_t t = slot >= first ? slot - first : slot;
         auto check_row = [&](const View<const uint8_t>& codes, const View<const float>& scales, const Tensor& x,
                              const Tensor& read, int64_t width, bool keys) {
           for (int64_t e = 0; e < width; ++e) {
             const double chs = keys ? ch.at(b, h, e) : 1.0;
             const double want = x.view<float>().at(b, h, t, e);
             const int64_t oi = keys ? outlier_index(e) : -1;
+            auto minimum = [&](int64_t c) { return scale_at(scales, b, h, slot, 2 * (c / 32) + 1, keys); };
             if (oi >= 0) {  // kept exactly after the groups' pairs; its code is 0
-              EXPECT_EQ(scales.at(b, h, slot, 4 + oi), static_cast<float>(want));
+              EXPECT_EQ(scale_at(scales, b, h, slot, 4 + oi, keys), static_cast<float>(want));
               EXPECT_EQ(read.view<float>().at(b, h, slot, e), static_cast<float>(want));
-              EXPECT_EQ(decode(codes, scales, b, h, slot, e, bits), scales.at(b, h, slot, 2 * (e / 32) + 1));
+              EXPECT_EQ(decode(codes, scales, b, h, slot, e, bits, keys), minimum(e));
               continue;
             }
-            const double got = decode(codes, scales, b, h, slot, e, bits) * chs;
+            const double got = decode(codes, scales, b, h, slot, e, bits, keys) * chs;
             EXPECT_EQ(static_cast<float>(got), read.view<float>().at(b, h, slot, e)) << b << h << slot << e;
             // Rounded to the nearest code: half a step of the group (plus the float rounding).
-            const double step = scales.at(b, h, slot, 2 * (e / 32)) * chs;
+            const double step = scale_at(scales, b, h, slot, 2 * (e / 32), keys) * chs;
             EXPECT_LE(std::fabs(got - want), step / 2 + 1e-6 * (std::fabs(want) + step * levels)) << e;
           }
-          for (int64_t e = width; e < (width + 31) / 32 * 32; ++e) EXPECT_EQ(decode(codes, scales, b, h, slot, e, bits),
-                                                                              scales.at(b, h, slot, 2 * (e / 32) + 1));
+          for (int64_t e = width; e < (width + 31) / 32 * 32; ++e)
+            EXPECT_EQ(decode(codes, scales, b, h, slot, e, bits, keys),
+                      scale_at(scales, b, h, slot, 2 * (e / 32) + 1, keys));
         };
         check_row(kc, ks, k, kf, 40, true);
         check_row(vc, vs, v, vf, 70, false);
       }
       // Slots past the stored positions read as zeros.
-      for (int64_t slot = 5; slot < cache.capacity(); ++slot) EXPECT_EQ(kf.view<float>().at(b, h, slot, 0), 0.0f);
+      for (int64_t slot = cache.length(b); slot < cache.capacity(); ++slot)
+        EXPECT_EQ(kf.view<float>().at(b, h, slot, 0), 0.0f);
     }
   // The accessors of the other representation are errors.
   expect_error([&] { cache.keys(); }, {"keys", cache_type_name(GetParam()), "keys_as_float"});
   expect_error([&] { cache.values<bfloat16>(); }, {"values", cache_type_name(GetParam())});
   // as_stored: what append would store, without appending.
   const auto [ak, av] = cache.as_stored(k.view<float>(), v.view<float>());
-  EXPECT_EQ(cache.length(0), 5);
+  EXPECT_EQ(cache.length(0), 17);
   cache.append(k.view<float>(), v.view<float>());
   const Tensor kf2 = cache.keys_as_float();
-  for (int64_t t = 0; t < 5; ++t)
-    for (int64_t e = 0; e < 40; ++e) EXPECT_EQ(ak.view<float>().at(1, 1, t, e), kf2.view<float>().at(1, 1, 5 + t, e));
+  for (int64_t t = 0; t < 20; ++t)
+    for (int64_t e = 0; e < 40; ++e) EXPECT_EQ(ak.view<float>().at(1, 1, t, e), kf2.view<float>().at(1, 1, 20 + t, e));
 }
 
 // After reset(), keys_as_float()/values_as_float() read zeros in every slot, whatever the
@@ -173,30 +200,38 @@ TEST_P(KvCacheQuant, NonFiniteValuesMakeTheirGroupNaN) {
 INSTANTIATE_TEST_SUITE_P(Types, KvCacheQuant, ::testing::Values(CacheType::kInt8, CacheType::kInt4), type_param);
 
 // The decode kernel on the codes against the float32 kernel on the values they stand for (a
-// float32 cache fed as_stored() of the same appends): the same bits where MulAdd is fused (the
-// dequantization then rounds exactly as keys_as_float's fma, and the channel scales are powers
-// of two) and no key channel is an outlier, else within 64u: each dequantized value then differs
-// by one rounding (u relative), or the outlier channels' products are summed after the others
-// (one rounding per score term), which moves scores and the output by ≤ 8u of their scale, as
-// for the 16-bit caches (docs/numerics.md), with room for the float32 kernel's own rounding.
+// float32 cache fed as_stored() of the same appends), norm-wise relative error of the output.
+// The kernel sums each key group's code products before scaling them (Σ_g scale_g·Σ_c q_c·code_c
+// + minimum_g·Σ_c q_c): the same terms as the float32 kernel's, rounded in another order, which
+// moves scores by about √32·u of Σ_c |q_c|·(|k_c| + 2|minimum|) (docs/numerics.md); the test allows
+// 64u (measured ≤ 38u over the targets). With 8-bit integer dot products (AVX-512 VNNI) the
+// query is rounded to 16 bits first, which moves scores by ~1e-5 of their scale and the output
+// about as much (measured ≤ 943u = 5.6e-5): those cases allow 2^-12, 4× that.
 // Every third trial has a key channel 20× larger (an outlier); short first appends pick some too.
 struct KernelCase {
   std::string target;
   CacheType type;
+  bool dots;  // the AVX3 target with integer dot products (where the CPU has them)
 };
 
 class QuantDecode : public ::testing::TestWithParam<KernelCase> {
  protected:
-  void SetUp() override { kernels::force_simd_target(GetParam().target); }
-  void TearDown() override { kernels::force_simd_target(""); }
+  void SetUp() override {
+    kernels::force_simd_target(GetParam().target);
+    kernels::allow_decode_int8_dots(GetParam().dots);
+  }
+  void TearDown() override {
+    kernels::force_simd_target("");
+    kernels::allow_decode_int8_dots(true);
+  }
 };
 
 TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
   const CacheType type = GetParam().type;
-  const bool fused = GetParam().target.rfind("AVX", 0) == 0;  // x86 targets have FMA
+  const double bound = GetParam().dots ? 1.0 / (1 << 12) : 64.0 / (1 << 24);
   Rng rng(base_seed() + 802);
   int with_outliers = 0, without = 0;
-  double worst_with_outliers = 0;
+  double worst_with_outliers = 0, worst = 0;
   for (int trial = 0; trial < 24; ++trial) {
     KvCacheConfig c;
     c.batch = rng.range(1, 3);
@@ -244,16 +279,13 @@ TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
     const bool any_outlier =
         std::any_of(outliers.data, outliers.data + outliers.numel(), [](int64_t x) { return x >= 0; });
     ++(any_outlier ? with_outliers : without);
-    if (fused && !any_outlier) {
-      EXPECT_TRUE(bitwise_equal(got, want));
-    } else {
-      const double e = rel_error(got.view<float>(), want.view<float>());
-      if (any_outlier) worst_with_outliers = std::max(worst_with_outliers, e);
-      EXPECT_LE(e, 64.0 / (1 << 24));
-    }
+    const double e = rel_error(got.view<float>(), want.view<float>());
+    if (any_outlier) worst_with_outliers = std::max(worst_with_outliers, e);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, bound);
   }
-  std::printf("%d trials with outlier channels (the largest error %.1fu), %d without\n", with_outliers,
-              worst_with_outliers * (1 << 24), without);
+  std::printf("%d trials with outlier channels (the largest error %.1fu), %d without; the largest of all %.1fu\n",
+              with_outliers, worst_with_outliers * (1 << 24), without, worst * (1 << 24));
   EXPECT_GE(with_outliers, 8);
   EXPECT_GE(without, 4);
 }
@@ -261,13 +293,18 @@ TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
 std::vector<KernelCase> kernel_cases() {
   std::vector<KernelCase> cases;
   for (const std::string& t : kernels::simd_targets())
-    for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) cases.push_back({t, type});
+    for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) {
+      const bool dots = t == "AVX3" && kernels::decode_int8_dots();
+      cases.push_back({t, type, dots});
+      if (dots) cases.push_back({t, type, false});  // the AVX3 target's float path too
+    }
   return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, QuantDecode, ::testing::ValuesIn(kernel_cases()),
                          [](const ::testing::TestParamInfo<KernelCase>& info) {
-                           return info.param.target + "_" + cache_type_name(info.param.type);
+                           return info.param.target + (info.param.dots ? "_dots_" : "_") +
+                                  cache_type_name(info.param.type);
                          });
 
 // The error of decoding from a quantized cache against a float32 cache of the same keys and

@@ -1,9 +1,9 @@
 // KvCache: the keys and values of earlier positions, for incremental decoding.
 //
-// Storage per (sequence, kv head) is a row-major (capacity, head_dim) block, so a decoding step
-// streams each head's keys and values once. The capacity grows by doubling (one copy, amortised
-// O(1) per token), never by concatenating per step. Each sequence of the batch has its own
-// length (positions seen so far).
+// Storage per (sequence, kv head) is a row-major (capacity, head_dim) block (int8/int4 keys: by
+// tiles of 16 rows, below), so a decoding step streams each head's keys and values once. The
+// capacity grows by doubling (one copy, amortised O(1) per token), never by concatenating per
+// step. Each sequence of the batch has its own length (positions seen so far).
 //
 // With window = W > 0 (sliding-window attention) the cache keeps only the last W positions of
 // each sequence in a ring buffer of W slots: position p lives in slot p mod W, and a query at
@@ -27,6 +27,14 @@
 // their kCacheKeyOutliers float32 values (in the order of key_outlier_channels(), 0 where a
 // slot is unused); their codes are 0 and take no part in their group's minimum and scale.
 // A group holding a NaN or an infinity stores NaN for all 32 values (its scale is NaN).
+// Key tiles: int8/int4 keys are stored by tiles of kCacheKeyTile = 16 consecutive slots (the
+// capacity is a multiple of 16), laid out for the decode kernel to read 16 keys in the lanes of
+// a vector. A tile's codes (its 16 rows of key_codes()) are words of 64 bytes, lane l (the tile's
+// slot l) at bytes 4l .. 4l + 3 of each: word w holds the codes of channels 4w .. 4w + 3 (int8,
+// byte k: channel 4w + k) or 8w .. 8w + 7 (int4, byte k: channel 8w + k in the low nibble,
+// 8w + 4 + k in the high one). A tile's scales (its 16 rows of key_scales()) are transposed:
+// scale element e of lane l at index 16e + l of the tile's 16 · (2 · groups + 4) floats. Values
+// are stored a row per slot, as above.
 // Error bounds: docs/numerics.md ("KV cache storage").
 #ifndef MHA_KV_CACHE_H_
 #define MHA_KV_CACHE_H_
@@ -46,6 +54,10 @@ enum class CacheType : uint8_t { kF32, kBF16, kF16, kInt8, kInt4 };
 const char* cache_type_name(CacheType type);
 // Values per quantization group of the int8 and int4 caches.
 constexpr int64_t kCacheQuantGroup = 32;
+// Key positions per tile of an int8/int4 cache, and the bytes of a tile's lane words (kv_cache.h
+// top: key tiles).
+constexpr int64_t kCacheKeyTile = 16;
+constexpr int64_t kCacheKeyTileBytes = 64;
 // Outlier key channels an int8/int4 cache keeps exactly, per sequence and kv head.
 constexpr int64_t kCacheKeyOutliers = 4;
 
@@ -54,7 +66,7 @@ struct KvCacheConfig {
   int64_t kv_heads = 1;
   int64_t head_dim_qk = 0;
   int64_t head_dim_v = 0;
-  int64_t capacity = 0;  // initial slots per sequence (grown by doubling); 0: 16
+  int64_t capacity = 0;  // initial slots per sequence (grown by doubling; int8/int4: whole tiles of 16); 0: 16
   int64_t window = 0;    // 0: keep every position; else a ring of the last `window` positions
   int64_t sink_tokens = 0;  // with a window: positions [0, sink_tokens) are kept as well, in slots
                             // of their own before the ring (StreamingLLM's attention sinks)

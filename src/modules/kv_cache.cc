@@ -52,6 +52,11 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   reserve(std::min(initial, kept_slots()));
 }
 
+namespace {
+// n slots rounded up to whole key tiles.
+int64_t tiles_of(int64_t n) { return (n + kCacheKeyTile - 1) / kCacheKeyTile * kCacheKeyTile; }
+}  // namespace
+
 int64_t KvCache::kept_slots() const {
   return config_.window > 0 ? config_.sink_tokens + config_.window : std::numeric_limits<int64_t>::max();
 }
@@ -133,8 +138,11 @@ Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, bool keys, in
     }
     const float* ch = keys ? k_channels_.data<float>() + r / capacity_ * width : nullptr;
     const int64_t* outliers = keys ? k_outliers_.data<int64_t>() + r / capacity_ * kCacheKeyOutliers : nullptr;
-    read_row(data.data<uint8_t>() + r * row_bytes, scales.data<float>() + r * row_scales, ch, outliers, width, c.dtype,
-             dst);
+    if (keys)
+      read_key_row(data.data<uint8_t>(), scales.data<float>(), r, ch, outliers, width, c.dtype, dst);
+    else
+      read_row(data.data<uint8_t>() + r * row_bytes, scales.data<float>() + r * row_scales, nullptr, nullptr, width,
+               c.dtype, dst);
   }
   return out;
 }
@@ -180,9 +188,12 @@ void KvCache::reset() {
 void KvCache::reserve(int64_t slots) {
   if (slots <= capacity_) return;
   const auto& c = config_;
+  // int8/int4 keys are stored by tiles of kCacheKeyTile slots: whole tiles.
+  if (quantized()) slots = checked_add(slots, kCacheKeyTile - 1, "KvCache: capacity") / kCacheKeyTile * kCacheKeyTile;
   const DType et = element_type(c.dtype);
   // Each plane is (B, Hkv, slots, width); rows [0, stored) keep their slots: a ring only grows
-  // before it wraps (capacity < window).
+  // before it wraps (capacity < window). Whole key tiles are copied (both capacities are
+  // multiples of kCacheKeyTile where there are tiles).
   auto grow = [&](Tensor& plane, DType type, int64_t width) {
     Tensor t(type, {c.batch, c.kv_heads, slots, width});
     const int64_t row = width * static_cast<int64_t>(dtype_size(type));
@@ -191,7 +202,7 @@ void KvCache::reserve(int64_t slots) {
         for (int64_t h = 0; h < c.kv_heads; ++h)
           std::memcpy(static_cast<std::byte*>(t.raw()) + (b * c.kv_heads + h) * slots * row,
                       static_cast<const std::byte*>(plane.raw()) + (b * c.kv_heads + h) * capacity_ * row,
-                      static_cast<size_t>(stored(b) * row));
+                      static_cast<size_t>(std::min(capacity_, tiles_of(stored(b))) * row));
     }
     plane = std::move(t);
   };
@@ -247,9 +258,13 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
         if (t < first && t >= sinks_left) continue;  // overwritten later in this append
         const int64_t pos = length_[b] + t;
         const int64_t row = (b * c.kv_heads + h) * capacity_ + slot(pos);
-        write_row(k.data + b * k.stride[0] + h * k.stride[1] + t * k.stride[2], k.stride[3], c.head_dim_qk, c.dtype,
-                  bits ? inv.data() : nullptr, outliers, static_cast<std::byte*>(k_.raw()) + row * kw * es,
-                  bits ? k_scales_.data<float>() + row * k_scales_.shape()[3] : nullptr);
+        const float* key = k.data + b * k.stride[0] + h * k.stride[1] + t * k.stride[2];
+        if (bits)
+          write_key_row(key, k.stride[3], c.head_dim_qk, c.dtype, inv.data(), outliers, k_.data<uint8_t>(),
+                        k_scales_.data<float>(), row);
+        else
+          write_row(key, k.stride[3], c.head_dim_qk, c.dtype, nullptr, nullptr,
+                    static_cast<std::byte*>(k_.raw()) + row * kw * es, nullptr);
         write_row(v.data + b * v.stride[0] + h * v.stride[1] + t * v.stride[2], v.stride[3], c.head_dim_v, c.dtype,
                   nullptr, nullptr, static_cast<std::byte*>(v_.raw()) + row * vw * es,
                   bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);

@@ -23,20 +23,21 @@ bool is_outlier(const int64_t* outliers, int64_t c) {
   return false;
 }
 
-// row quantized to `bits`: codes (row_elements bytes) and (scale, minimum) pairs per group, then
+// row quantized to `bits`: put(c, code) for every value c of the padded row (whole groups;
+// code 0 past width), scale(e) for each of its scales: (scale, minimum) pairs per group, then
 // (keys) the outlier channels' values (NaN if not finite). inv_channel (or nullptr): per-value
 // multipliers (powers of two) applied first. Outlier channels take no part in their group: code
 // 0, value kept exactly.
+template <class PutCode, class Scale>
 void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const float* inv_channel,
-                  const int64_t* outliers, uint8_t* codes, float* scales) {
+                  const int64_t* outliers, const PutCode& put, const Scale& scale) {
   const int levels = (1 << bits) - 1;
   const int64_t G = kCacheQuantGroup;
-  std::fill(codes, codes + quant_groups(width) * G * bits / 8, uint8_t{0});
   if (outliers)
     for (int64_t i = 0; i < kCacheKeyOutliers; ++i) {
       const float x = outliers[i] >= 0 ? row[outliers[i] * cs] : 0.0f;
       // NaN for an infinity too, as for a group (the query meets it as a NaN score).
-      scales[outlier_offset(width) + i] = std::isfinite(x) ? x : std::numeric_limits<float>::quiet_NaN();
+      scale(outlier_offset(width) + i) = std::isfinite(x) ? x : std::numeric_limits<float>::quiet_NaN();
     }
   for (int64_t g = 0; g * G < width; ++g) {
     const int64_t n = std::min(G, width - g * G);
@@ -52,34 +53,71 @@ void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const f
       hi = std::max(hi, v);
     }
     if (!any) lo = hi = 0.0f;  // every channel of the group an outlier
-    if (!finite) {  // NaN for the whole group: never a finite stand-in for a non-finite value
-      scales[2 * g] = scales[2 * g + 1] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
     // hi/levels − lo/levels stays finite for any finite hi and lo (their difference may not).
-    const float scale = hi / static_cast<float>(levels) - lo / static_cast<float>(levels);
-    scales[2 * g] = scale;
-    scales[2 * g + 1] = lo;
-    if (!(scale > 0.0f)) continue;  // all equal: every code 0
-    for (int64_t i = 0; i < n; ++i) {
-      if (is_outlier(outliers, g * G + i)) continue;  // code 0
-      const double q = std::nearbyint((static_cast<double>(value(i)) - lo) / scale);
-      const auto code = static_cast<uint8_t>(std::clamp(q, 0.0, static_cast<double>(levels)));
-      if (bits == 8) {
-        codes[g * G + i] = code;
-      } else {  // byte i of the group's 16: value i low, value i + 16 high
-        uint8_t& byte = codes[g * G / 2 + i % (G / 2)];
-        byte = static_cast<uint8_t>(byte | (i < G / 2 ? code : code << 4));
+    const float step = hi / static_cast<float>(levels) - lo / static_cast<float>(levels);
+    // NaN for the whole group if any value is not finite: never a finite stand-in for it.
+    scale(2 * g) = finite ? step : std::numeric_limits<float>::quiet_NaN();
+    scale(2 * g + 1) = finite ? lo : std::numeric_limits<float>::quiet_NaN();
+    for (int64_t i = 0; i < G; ++i) {
+      int code = 0;  // padding, outliers, a non-finite group, a group of equal values
+      if (finite && step > 0.0f && i < n && !is_outlier(outliers, g * G + i)) {
+        const double q = std::nearbyint((static_cast<double>(value(i)) - lo) / step);
+        code = static_cast<int>(std::clamp(q, 0.0, static_cast<double>(levels)));
       }
+      put(g * G + i, static_cast<uint8_t>(code));
     }
   }
 }
 
-// Value c of a quantized row, dequantized as the decode kernel does (one fused multiply-add).
-float dequantize(const uint8_t* codes, const float* scales, int64_t c, int bits) {
+// Where code c of a value row, or of key lane `lane` of a key tile, lies: byte and nibble shift
+// (kv_cache.h has both layouts).
+struct CodeAt {
+  int64_t byte;
+  int shift;
+};
+CodeAt row_code_at(int bits, int64_t c) {
   const int64_t G = kCacheQuantGroup, g = c / G, i = c % G;
-  const int code = bits == 8 ? codes[c] : (codes[g * G / 2 + i % (G / 2)] >> (i < G / 2 ? 0 : 4)) & 0xF;
-  return std::fma(static_cast<float>(code), scales[2 * g], scales[2 * g + 1]);
+  if (bits == 8) return {c, 0};
+  return {g * G / 2 + i % (G / 2), i < G / 2 ? 0 : 4};  // byte i of the group's 16: i low, i + 16 high
+}
+CodeAt tile_code_at(int bits, int64_t lane, int64_t c) {
+  const int64_t per_word = 32 / bits, k = c % per_word;  // codes per lane word (4 bytes)
+  return {c / per_word * kCacheKeyTileBytes + lane * 4 + k % 4, static_cast<int>(k / 4 * 4)};
+}
+
+void put_code(uint8_t* codes, CodeAt at, int bits, uint8_t code) {
+  if (bits == 8) {
+    codes[at.byte] = code;
+    return;
+  }
+  codes[at.byte] = static_cast<uint8_t>((codes[at.byte] & ~(0xF << at.shift)) | code << at.shift);
+}
+int get_code(const uint8_t* codes, CodeAt at, int bits) {
+  return (codes[at.byte] >> at.shift) & (bits == 8 ? 0xFF : 0xF);
+}
+
+// Row r's tile: its codes and scales (scale_elements rows of kCacheKeyTile floats), its lane.
+struct TileOf {
+  int64_t lane, codes, scales;  // offsets into the pools
+  TileOf(int64_t r, int64_t width, CacheType type)
+      : lane(r % kCacheKeyTile),
+        codes(r / kCacheKeyTile * kCacheKeyTile * row_elements(type, width)),
+        scales(r / kCacheKeyTile * kCacheKeyTile * scale_elements(width, true)) {}
+};
+
+// `width` values of a row read back as float32 into dst: code(c) dequantized with scale(e) as
+// the decode kernel does (one fused multiply-add), times channel (or nullptr), the outliers'
+// exact values in their channels.
+template <class Code, class Scale>
+void dequantize_row(const Code& code, const Scale& scale, const float* channel, const int64_t* outliers, int64_t width,
+                    float* dst) {
+  for (int64_t c = 0; c < width; ++c) {
+    const int64_t g = c / kCacheQuantGroup;
+    dst[c] = std::fma(static_cast<float>(code(c)), scale(2 * g), scale(2 * g + 1)) * (channel ? channel[c] : 1.0f);
+  }
+  if (outliers)
+    for (int64_t i = 0; i < kCacheKeyOutliers; ++i)
+      if (outliers[i] >= 0) dst[outliers[i]] = scale(outlier_offset(width) + i);
 }
 
 }  // namespace
@@ -110,7 +148,11 @@ void write_row(const float* row, int64_t cs, int64_t width, CacheType type, cons
                const int64_t* outliers, void* data, float* scales) {
   const int bits = quant_bits(type);
   if (bits) {
-    quantize_row(row, cs, width, bits, inv_channel, outliers, static_cast<uint8_t*>(data), scales);
+    auto* codes = static_cast<uint8_t*>(data);
+    quantize_row(
+        row, cs, width, bits, inv_channel, outliers,
+        [&](int64_t c, uint8_t code) { put_code(codes, row_code_at(bits, c), bits, code); },
+        [&](int64_t e) -> float& { return scales[e]; });
     return;
   }
   const DType dtype = element_type(type);
@@ -132,11 +174,9 @@ void read_row(const void* data, const float* scales, const float* channel, const
               CacheType type, float* dst) {
   const int bits = quant_bits(type);
   if (bits) {
-    for (int64_t e = 0; e < width; ++e)
-      dst[e] = dequantize(static_cast<const uint8_t*>(data), scales, e, bits) * (channel ? channel[e] : 1.0f);
-    if (outliers)
-      for (int64_t i = 0; i < kCacheKeyOutliers; ++i)
-        if (outliers[i] >= 0) dst[outliers[i]] = scales[outlier_offset(width) + i];
+    const auto* codes = static_cast<const uint8_t*>(data);
+    dequantize_row([&](int64_t c) { return get_code(codes, row_code_at(bits, c), bits); },
+                   [&](int64_t e) { return scales[e]; }, channel, outliers, width, dst);
     return;
   }
   if (type == CacheType::kF32) {
@@ -144,6 +184,25 @@ void read_row(const void* data, const float* scales, const float* channel, const
     return;
   }
   widen_to_f32(data, element_type(type), dst, width);
+}
+
+void write_key_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel,
+                   const int64_t* outliers, uint8_t* codes, float* scales, int64_t r) {
+  const int bits = quant_bits(type);
+  const TileOf t(r, width, type);
+  quantize_row(
+      row, cs, width, bits, inv_channel, outliers,
+      [&](int64_t c, uint8_t code) { put_code(codes + t.codes, tile_code_at(bits, t.lane, c), bits, code); },
+      [&](int64_t e) -> float& { return scales[t.scales + e * kCacheKeyTile + t.lane]; });
+}
+
+void read_key_row(const uint8_t* codes, const float* scales, int64_t r, const float* channel, const int64_t* outliers,
+                  int64_t width, CacheType type, float* dst) {
+  const int bits = quant_bits(type);
+  const TileOf t(r, width, type);
+  dequantize_row([&](int64_t c) { return get_code(codes + t.codes, tile_code_at(bits, t.lane, c), bits); },
+                 [&](int64_t e) { return scales[t.scales + e * kCacheKeyTile + t.lane]; }, channel, outliers, width,
+                 dst);
 }
 
 void key_channels(const float* rows, int64_t row_stride, int64_t cs, int64_t n, int64_t D, float* s,

@@ -27,6 +27,14 @@ void write_row(const float* row, int64_t cs, int64_t width, CacheType type, cons
 // The stored row as float32 into dst (times channel, if not nullptr; outliers as in write_row).
 void read_row(const void* data, const float* scales, const float* channel, const int64_t* outliers, int64_t width,
               CacheType type, float* dst);
+// Key rows of int8/int4 caches are stored in tiles of kCacheKeyTile rows (kv_cache.h): row r of
+// the pools codes (row_elements bytes per row) and scales (scale_elements(width, true) floats per
+// row), whose (sequence, kv head) planes start at multiples of kCacheKeyTile rows. As write_row
+// and read_row otherwise.
+void write_key_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel,
+                   const int64_t* outliers, uint8_t* codes, float* scales, int64_t r);
+void read_key_row(const uint8_t* codes, const float* scales, int64_t r, const float* channel, const int64_t* outliers,
+                  int64_t width, CacheType type, float* dst);
 // A sequence's key channels from its first n rows (row stride row_stride, column stride cs):
 // outliers[0 .. kCacheKeyOutliers), the channels of rms above 4× the median (the largest
 // first, at most kCacheKeyOutliers, in channel order, -1 after them), and the channel scales

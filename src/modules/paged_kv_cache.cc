@@ -19,6 +19,7 @@ PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
             "PagedKvCache: kv_heads {}, head dims ({}, {}), pages {}: must be positive; max_pages {} and window {} "
             "must not be negative",
             c.kv_heads, c.head_dim_qk, c.head_dim_v, c.pages, c.max_pages, c.window);
+  static_assert(kCacheKeyTile == 16, "pages (powers of two, >= 16 slots) are whole key tiles of int8/int4 keys");
   MHA_CHECK(c.page_size >= 16 && c.page_size <= 256 && (c.page_size & (c.page_size - 1)) == 0,
             "PagedKvCache: page_size must be a power of two in [16, 256]; got {}", c.page_size);
   MHA_CHECK(c.max_pages == 0 || c.pages <= c.max_pages, "PagedKvCache: pages {} exceed max_pages {}", c.pages,
@@ -193,10 +194,13 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
       const int64_t pos = s.length + t;
       const int64_t page = s.table[pos / P - s.first_page];
       const int64_t row = (page * c.kv_heads + h) * P + pos % P;
-      write_row(k.data + h * k.stride[0] + t * k.stride[1], k.stride[2], c.head_dim_qk, c.dtype,
-                bits ? inv.data() : nullptr, bits ? s.outliers.data() + h * kCacheKeyOutliers : nullptr,
-                static_cast<std::byte*>(k_.raw()) + row * kw * es,
-                bits ? k_scales_.data<float>() + row * k_scales_.shape()[3] : nullptr);
+      const float* key = k.data + h * k.stride[0] + t * k.stride[1];
+      if (bits)  // pages are whole key tiles (page_size a multiple of kCacheKeyTile)
+        write_key_row(key, k.stride[2], c.head_dim_qk, c.dtype, inv.data(), s.outliers.data() + h * kCacheKeyOutliers,
+                      k_.data<uint8_t>(), k_scales_.data<float>(), row);
+      else
+        write_row(key, k.stride[2], c.head_dim_qk, c.dtype, nullptr, nullptr,
+                  static_cast<std::byte*>(k_.raw()) + row * kw * es, nullptr);
       write_row(v.data + h * v.stride[0] + t * v.stride[1], v.stride[2], c.head_dim_v, c.dtype, nullptr, nullptr,
                 static_cast<std::byte*>(v_.raw()) + row * vw * es,
                 bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);
@@ -223,11 +227,14 @@ Tensor PagedKvCache::as_float(int64_t id, bool keys) const {
   for (int64_t h = 0; h < c.kv_heads; ++h)
     for (int64_t pos = first; pos < s.length; ++pos) {
       const int64_t row = (s.table[pos / P - s.first_page] * c.kv_heads + h) * P + pos % P;
-      read_row(static_cast<const std::byte*>(data.raw()) + row * width * es,
-               scales.defined() ? scales.data<float>() + row * scales.shape()[3] : nullptr,
-               keys && !s.channels.empty() ? s.channels.data() + h * D : nullptr,
-               keys && !s.outliers.empty() ? s.outliers.data() + h * kCacheKeyOutliers : nullptr, D, c.dtype,
-               out.data<float>() + (h * (s.length - first) + pos - first) * D);
+      float* dst = out.data<float>() + (h * (s.length - first) + pos - first) * D;
+      if (keys && scales.defined())
+        read_key_row(data.data<uint8_t>(), scales.data<float>(), row, s.channels.data() + h * D,
+                     s.outliers.data() + h * kCacheKeyOutliers, D, c.dtype, dst);
+      else
+        read_row(static_cast<const std::byte*>(data.raw()) + row * width * es,
+                 scales.defined() ? scales.data<float>() + row * scales.shape()[3] : nullptr, nullptr, nullptr, D,
+                 c.dtype, dst);
     }
   return out;
 }

@@ -1,10 +1,11 @@
 // How the decode kernel (flash_decode.cc) reads the keys and values of one (batch, kv head):
 // PlainKv<T> (elements of T, widened on load) or QuantKv<kBits> (int8/int4 cache codes,
 // dequantized on load as minimum + scale · code), contiguous or through a paged pool's block
-// table. key(j) / value(j) is the Row of key or value j; Columns(row, c0) is that row from
+// table. key(j) / value(j) is the Row of key or value j (QuantKv's keys are tiles instead:
+// KeyTile(j), kv_cache.h has the layout); Columns(row, c0) is that row from
 // column c0 on (c0 a multiple of kColumnAlign); Load(d, row, c) gives values [c, c + N) as
-// floats; Stage writes a whole row's floats; PrefetchKey(j) / PrefetchValue(j) ask for a row's
-// cache lines (into L2).
+// floats; PlainKv's Stage writes a whole row's floats; PrefetchKey(j) / PrefetchValue(j) ask for
+// a row's cache lines (into L2).
 #if defined(MHA_KERNELS_CPU_DECODE_KV_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_KV_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_KV_INL_H_
@@ -61,6 +62,7 @@ struct PlainKv {
   using Row = const T*;
   static constexpr bool kPadded = false;  // rows end at D: a partial last vector needs LoadPartial
   static constexpr bool kOutliers = false;
+  static constexpr bool kKeyTiles = false;  // keys are rows
   const T* k;
   const T* v;
   RowOffset kr, vr;
@@ -93,8 +95,15 @@ struct QuantKv {
     const uint8_t* codes;
     const float* scales;  // (scale, minimum) per group
   };
+  // The codes and transposed scales of the kCacheKeyTile keys of a tile (kv_cache.h).
+  struct Tile {
+    const uint8_t* codes;
+    const float* scales;
+  };
   static constexpr bool kPadded = true;  // rows hold whole groups of 32 values (N divides 32)
-  static constexpr bool kOutliers = true;  // keys may have outlier channels (KeyOutlier)
+  static constexpr bool kOutliers = true;  // keys may have outlier channels (after the groups' scales)
+  static constexpr bool kKeyTiles = true;
+  static constexpr int kCodeBits = kBits;
   static constexpr size_t kGroup = static_cast<size_t>(kCacheQuantGroup);
   static constexpr size_t kGroupBytes = kGroup * kBits / 8;  // a group's codes
   const uint8_t* k;
@@ -103,7 +112,7 @@ struct QuantKv {
   const float* vsc;
   RowOffset kr, vr, ksr, vsr;
   size_t kbytes, vbytes;  // a key's / value's codes: whole groups of kBits each
-  size_t kout;            // where a key's outlier channel values start in its scales row
+  size_t kgroups;         // a key's groups (of its padded row)
   QuantKv(const AttentionParams& p, int64_t b, int64_t hk)
       : k(static_cast<const uint8_t*>(p.k) + PlaneStart(p, p.k_stride, b, hk)),
         v(static_cast<const uint8_t*>(p.v) + PlaneStart(p, p.v_stride, b, hk)),
@@ -111,18 +120,18 @@ struct QuantKv {
         vsc(p.v_scales + PlaneStart(p, p.v_scale_stride, b, hk)),
         kr(p, b, p.k_stride[0], p.k_stride[2]), vr(p, b, p.v_stride[0], p.v_stride[2]),
         ksr(p, b, p.k_scale_stride[0], p.k_scale_stride[2]), vsr(p, b, p.v_scale_stride[0], p.v_scale_stride[2]),
-        kbytes(RowBytes(p.head_dim_qk)), vbytes(RowBytes(p.head_dim_v)), kout(2 * kbytes / kGroupBytes) {}
+        kbytes(RowBytes(p.head_dim_qk)), vbytes(RowBytes(p.head_dim_v)), kgroups(kbytes / kGroupBytes) {}
   static size_t RowBytes(int64_t dim) {
     return (static_cast<size_t>(dim) + kGroup - 1) / kGroup * kGroupBytes;
   }
-  Row key(int64_t j) const { return {k + kr(j), ksc + ksr(j)}; }
+  // The tile of keys j .. j + kCacheKeyTile (j a multiple of it): row j of a plane or a page is
+  // where its tile starts.
+  Tile KeyTile(int64_t j) const { return {k + kr(j), ksc + ksr(j)}; }
   Row value(int64_t j) const { return {v + vr(j), vsc + vsr(j)}; }
   static constexpr size_t kColumnAlign = kGroup;  // Columns starts at a group
   static Row Columns(Row r, size_t c0) {
     return {r.codes + c0 / kGroup * kGroupBytes, r.scales + c0 / kGroup * 2};
   }
-  // The exact value of key row r's outlier channel i (the i-th of p.k_outliers).
-  float KeyOutlier(Row r, size_t i) const { return r.scales[kout + i]; }
   // Codes [i, i + N) of group g as float (i a multiple of N, N divides the group).
   HWY_INLINE static hn::Vec<DF> Codes(DF d, Row r, size_t g, size_t i) {
     const hn::Rebind<uint8_t, DF> d8;
@@ -141,22 +150,11 @@ struct QuantKv {
     return hn::MulAdd(Codes(d, r, g, c % kGroup), hn::Set(d, r.scales[2 * g]), hn::Set(d, r.scales[2 * g + 1]));
   }
   HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t) const { return Load(d, r, c); }
-  // Values [0, depth) of row r (whole groups) as floats, vector i at dst + i·stride: Load's
-  // values, a group's scale and minimum broadcast once.
-  HWY_INLINE void Stage(DF d, Row r, size_t depth, float* HWY_RESTRICT dst, size_t stride) const {
-    const size_t N = hn::Lanes(d);
-    for (size_t g = 0; g < depth / kGroup; ++g) {
-      const auto scale = hn::Set(d, r.scales[2 * g]), minimum = hn::Set(d, r.scales[2 * g + 1]);
-      for (size_t i = 0; i < kGroup; i += N, dst += stride)
-        hn::Store(hn::MulAdd(Codes(d, r, g, i), scale, minimum), d, dst);
-    }
-  }
-  // A row's codes and its scales row: (scale, minimum) pairs, 8 bytes per group of kGroup codes,
-  // then for keys the outlier values.
+  // A sixteenth of key j's tile, its codes and scales: where row j would start, a row's bytes
+  // (so the tile's 16 keys ask for all of it).
   HWY_INLINE void PrefetchKey(int64_t j) const {
-    const Row r = key(j);
-    PrefetchLines<kTo>(r.codes, kbytes);
-    PrefetchLines<kTo>(r.scales, (kout + static_cast<size_t>(kCacheKeyOutliers)) * sizeof(float));
+    PrefetchLines<kTo>(k + kr(j), kbytes);
+    PrefetchLines<kTo>(ksc + ksr(j), (2 * kgroups + static_cast<size_t>(kCacheKeyOutliers)) * sizeof(float));
   }
   HWY_INLINE void PrefetchValue(int64_t j) const {
     const Row r = value(j);

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -50,6 +51,7 @@ constexpr size_t kBlockVecs = 8;
 constexpr size_t kOutVecs = 4;    // value columns per output pass: 4 vectors (DecodeOutputCols)
 constexpr int64_t kPrefetchBlocks = 1;  // K and V are prefetched one block ahead
 constexpr int64_t kMaxChunkKeys = int64_t{1} << 16;  // keys per chunk at most (a multiple of any block)
+constexpr int64_t kTileRows = 4;  // query rows per pass over a key tile (TileScores)
 #if HWY_TARGET <= HWY_AVX3
 constexpr size_t kRowGroup = 6;   // 6 rows × 4 vectors = 24 accumulators
 #else
@@ -176,6 +178,143 @@ HWY_INLINE hn::Vec<DF> DotScores(DF d, const float* q, const Kv& kv, const typen
   return SumLanesOfEach(d, acc);
 }
 
+// S[r][x] for RT rows and the N keys of a tile from lane0 (a multiple of N) of an int8/int4
+// cache (kv_cache.h: the codes of 16 keys by words of 4 bytes per key, the scales transposed).
+// Each word is split into its channels' codes as floats, keys in the lanes, and multiplied into
+// each row's sum for the group; a group's sums are then scaled, and its minimum times the row's
+// sum of the group's query entries (qsum) added: S = Σ_g scale_g·Σ_c q_c·code_c + minimum_g·Σ_c q_c,
+// then the outlier channels' exact values times their query entries (qo). No stage and no
+// horizontal sums: the scale and minimum apply once per group of 32 channels.
+template <int kBits, size_t RT>
+HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size_t lane0, size_t groups,
+                           const float* q, size_t ldq, const float* qsum, const float* qo, size_t nout, float* s,
+                           size_t lds) {
+  using V = hn::Vec<DF>;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile), kWordBytes = static_cast<size_t>(kCacheKeyTileBytes);
+  constexpr size_t kPerWord = 32 / kBits, kWords = static_cast<size_t>(kCacheQuantGroup) / kPerWord;
+  const auto mask = hn::Set(du, (1u << kBits) - 1);
+  V acc[RT];
+  for (size_t r = 0; r < RT; ++r) acc[r] = hn::Zero(d);
+  for (size_t g = 0; g < groups; ++g) {
+    V sum[RT];
+    for (size_t r = 0; r < RT; ++r) sum[r] = hn::Zero(d);
+    for (size_t w = 0; w < kWords; ++w) {
+      // The lanes' words (4-byte aligned; LoadU reads them as bytes, whatever their type).
+      const auto x = hn::LoadU(du, reinterpret_cast<const uint32_t*>(codes + (g * kWords + w) * kWordBytes) + lane0);
+      for (size_t k = 0; k < kPerWord; ++k) {
+        // int8: byte k is channel k; int4: byte k % 4, the high nibble from k = 4 on.
+        const int shift = static_cast<int>(k % 4 * 8 + k / 4 * 4);
+        const V code = hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRightSame(x, shift), mask)));
+        const float* qc = q + g * static_cast<size_t>(kCacheQuantGroup) + w * kPerWord + k;
+        for (size_t r = 0; r < RT; ++r) sum[r] = hn::MulAdd(code, hn::Set(d, qc[r * ldq]), sum[r]);
+      }
+    }
+    const V step = hn::LoadU(d, scales + 2 * g * kTile + lane0);
+    const V lo = hn::LoadU(d, scales + (2 * g + 1) * kTile + lane0);
+    for (size_t r = 0; r < RT; ++r)
+      acc[r] = hn::MulAdd(sum[r], step, hn::MulAdd(lo, hn::Set(d, qsum[r * groups + g]), acc[r]));
+  }
+  for (size_t i = 0; i < nout; ++i) {
+    const V x = hn::LoadU(d, scales + (2 * groups + i) * kTile + lane0);
+    for (size_t r = 0; r < RT; ++r)
+      acc[r] = hn::MulAdd(x, hn::Set(d, qo[r * static_cast<size_t>(kCacheKeyOutliers) + i]), acc[r]);
+  }
+  for (size_t r = 0; r < RT; ++r) hn::Store(acc[r], d, s + r * lds);
+}
+
+#undef MHA_DECODE_DOTS
+#if HWY_TARGET == HWY_AVX3
+// TileScores with 8-bit integer dot products (AVX-512 VNNI, checked at run time: the AVX3
+// target does not imply it). The query rows come as 16-bit integers q ≈ qscale · (256·h + l), h
+// and l signed bytes, packed 4 channels to a word (qh, ql: a row's words at r · ldw). Per group
+// vpdpbusd sums 4 code × byte products per key into 32-bit lanes, for h and for l; 256·Σh + Σl
+// is exact in int32 (|Σ| ≤ 32 · 255 · 127 · 257 < 2^31), then scaled as in TileScores. The
+// rounding of q to 16 bits moves a score by at most qscale/2 · Σ_c scale_g·code_c
+// (docs/numerics.md). 16 lanes: a tile per vector.
+template <int kBits, size_t RT>
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
+    const uint8_t* codes, const float* scales, size_t groups, const int32_t* qh, const int32_t* ql, size_t ldw,
+    const float* qscale, const float* qsum, const float* qo, size_t nout, float* s, size_t lds) {
+  constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile), kWordBytes = static_cast<size_t>(kCacheKeyTileBytes);
+  constexpr size_t kWords = static_cast<size_t>(kCacheQuantGroup) * kBits / 32;  // tile words per group
+  constexpr size_t kGroupWords = static_cast<size_t>(kCacheQuantGroup) / 4;     // query words per group
+  static_assert(kCacheKeyTile == 16, "a tile per vector of 16 lanes");
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[RT];
+  for (size_t r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (size_t g = 0; g < groups; ++g) {
+    __m512i sh[RT], sl[RT];
+    for (size_t r = 0; r < RT; ++r) sh[r] = sl[r] = _mm512_setzero_si512();
+    for (size_t w = 0; w < kWords; ++w) {
+      const __m512i x = _mm512_loadu_si512(codes + (g * kWords + w) * kWordBytes);
+      if constexpr (kBits == 8) {  // byte k: channel 4w + k of the group
+        const size_t qw = g * kGroupWords + w;
+        for (size_t r = 0; r < RT; ++r) {
+          sh[r] = _mm512_dpbusd_epi32(sh[r], x, _mm512_set1_epi32(qh[r * ldw + qw]));
+          sl[r] = _mm512_dpbusd_epi32(sl[r], x, _mm512_set1_epi32(ql[r * ldw + qw]));
+        }
+      } else {  // low nibbles: channels 8w .. 8w + 3 of the group; high nibbles: 8w + 4 .. 8w + 7
+        const __m512i lo = _mm512_and_si512(x, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble);
+        const size_t qw = g * kGroupWords + 2 * w;
+        for (size_t r = 0; r < RT; ++r) {
+          sh[r] = _mm512_dpbusd_epi32(sh[r], lo, _mm512_set1_epi32(qh[r * ldw + qw]));
+          sl[r] = _mm512_dpbusd_epi32(sl[r], lo, _mm512_set1_epi32(ql[r * ldw + qw]));
+          sh[r] = _mm512_dpbusd_epi32(sh[r], hi, _mm512_set1_epi32(qh[r * ldw + qw + 1]));
+          sl[r] = _mm512_dpbusd_epi32(sl[r], hi, _mm512_set1_epi32(ql[r * ldw + qw + 1]));
+        }
+      }
+    }
+    const __m512 step = _mm512_loadu_ps(scales + 2 * g * kTile), lo = _mm512_loadu_ps(scales + (2 * g + 1) * kTile);
+    for (size_t r = 0; r < RT; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh[r], 8), sl[r]));
+      acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(qsum[r * groups + g]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(step, _mm512_set1_ps(qscale[r])), acc[r]);
+    }
+  }
+  for (size_t i = 0; i < nout; ++i) {
+    const __m512 x = _mm512_loadu_ps(scales + (2 * groups + i) * kTile);
+    for (size_t r = 0; r < RT; ++r)
+      acc[r] = _mm512_fmadd_ps(x, _mm512_set1_ps(qo[r * static_cast<size_t>(kCacheKeyOutliers) + i]), acc[r]);
+  }
+  for (size_t r = 0; r < RT; ++r) _mm512_storeu_ps(s + r * lds, acc[r]);
+}
+#define MHA_DECODE_DOTS 1
+#else
+#define MHA_DECODE_DOTS 0
+#endif
+
+// The query rows of TileDots: row r of q (ldq floats, a multiple of 4) as 16-bit integers
+// 256·h + l ≈ q / qscale[r] (|·| ≤ 127·256, so h ∈ [-127, 127], l ∈ [-128, 127]), h and l packed
+// 4 channels (bytes) to a word. False if a row has a value that is not finite (the float path
+// then keeps its NaN).
+inline bool QueryDots(const float* q, size_t ldq, int64_t R, int32_t* qh, int32_t* ql, float* qscale) {
+  const size_t ldw = ldq / 4;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = q + r * static_cast<int64_t>(ldq);
+    float top = 0.0f;
+    for (size_t c = 0; c < ldq; ++c) {
+      if (!std::isfinite(x[c])) return false;
+      top = std::max(top, std::fabs(x[c]));
+    }
+    qscale[r] = top > 0.0f ? top / 32512.0f : 1.0f;
+    const float inv = 1.0f / qscale[r];
+    for (size_t w = 0; w < ldw; ++w) {
+      uint32_t hw = 0, lw = 0;
+      for (size_t k = 0; k < 4; ++k) {
+        const auto v = static_cast<int32_t>(std::clamp(std::nearbyint(x[4 * w + k] * inv), -32512.0f, 32512.0f));
+        const int32_t h = (v + 128) >> 8, l = v - 256 * h;  // floor((v + 128) / 256)
+        hw |= static_cast<uint32_t>(static_cast<uint8_t>(h)) << (8 * k);
+        lw |= static_cast<uint32_t>(static_cast<uint8_t>(l)) << (8 * k);
+      }
+      qh[r * static_cast<int64_t>(ldw) + static_cast<int64_t>(w)] = static_cast<int32_t>(hw);
+      ql[r * static_cast<int64_t>(ldw) + static_cast<int64_t>(w)] = static_cast<int32_t>(lw);
+    }
+  }
+  return true;
+}
+
 template <class F>
 HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
   for (size_t r0 = 0; r0 < rows; r0 += kRowGroup) f(r0, std::min(kRowGroup, rows - r0));
@@ -243,13 +382,21 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   size_t nout = 0;
   while (outliers && nout < static_cast<size_t>(kOut) && outliers[nout] >= 0) ++nout;
   float qo[kMaxDecodeRows * kOut];
-  HWY_ALIGN float ostage[kOut * hn::MaxLanes(DF())];
+  // Key tiles: each row's sum of its query entries per group (outlier channels zeroed).
+  const size_t groups = ldq / static_cast<size_t>(kCacheQuantGroup);
+  float* qsum = Kv::kKeyTiles ? ws.get<float>(Workspace::kDecodeQuerySums, static_cast<size_t>(R) * groups) : nullptr;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
     LoadQueryRow(d, p, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2], channel, D, ldq, qs + r * ldq);
     for (size_t x = 0; x < nout; ++x) {
       qo[r * kOut + static_cast<int64_t>(x)] = qs[r * static_cast<int64_t>(ldq) + outliers[x]];
       qs[r * static_cast<int64_t>(ldq) + outliers[x]] = 0.0f;
+    }
+    if constexpr (Kv::kKeyTiles) {
+      for (size_t g = 0; g < groups; ++g) {
+        const float* x = qs + r * static_cast<int64_t>(ldq) + g * static_cast<size_t>(kCacheQuantGroup);
+        qsum[r * static_cast<int64_t>(groups) + g] = std::accumulate(x, x + kCacheQuantGroup, 0.0f);
+      }
     }
     const KeyRange k = visible_keys(p, b, i);
     lo[r] = std::max(k.lo, k0);
@@ -261,12 +408,28 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     l[r] = 0.0f;
     std::fill(o + r * dvp, o + (r + 1) * dvp, 0.0f);
   }
+  // Integer dot products for the key tiles where the CPU has them (TileDots).
+  const size_t ldw = ldq / 4;
+  int32_t* qh = nullptr;
+  int32_t* ql = nullptr;
+  float qscale[kMaxDecodeRows];
+  bool dots = false;
+  if constexpr (Kv::kKeyTiles && MHA_DECODE_DOTS) {
+    if (decode_int8_dots()) {
+      qh = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * ldw);
+      ql = qh + R * static_cast<int64_t>(ldw);
+      dots = QueryDots(qs, ldq, R, qh, ql, qscale);
+    }
+  }
+  // Key tiles are read N keys at a time from a multiple of N (N divides the tile); the masks
+  // below drop keys before a row's first.
+  if constexpr (Kv::kKeyTiles) ua = ua / static_cast<int64_t>(N) * static_cast<int64_t>(N);
   const Kv kv(p, b, hk);
   typename Kv::Row krows[hn::MaxLanes(DF())];
   typename Kv::Row vrows[kBlockVecs * hn::MaxLanes(DF())];
   // Keys not of float are widened or dequantized once per N keys into a stage interleaved by
   // vector, which every query row then reads (StagedScores).
-  constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*>;
+  constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles;
   float* kstage = kStage ? ws.get<float>(Workspace::kDecodeKeyStage, N * ldq) : nullptr;
   const hn::RebindToSigned<DF> di;
 
@@ -294,22 +457,51 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       const int64_t first = j0 + static_cast<int64_t>(kb * N);
       for (size_t x = 0; x < N; ++x) {
         const int64_t j = first + static_cast<int64_t>(x);
-        krows[x] = kv.key(std::min(j, j0 + jn - 1));
+        if constexpr (!Kv::kKeyTiles) krows[x] = kv.key(std::min(j, j0 + jn - 1));
         if (j + ahead_keys < ub) kv.PrefetchKey(j + ahead_keys);
       }
-      if constexpr (kStage) {
+      if constexpr (Kv::kKeyTiles) {
+        // Keys past the last of a partial tile read the tile's other lanes (its storage exists;
+        // the mask below drops them).
+        constexpr int kBits = Kv::kCodeBits;
+        const auto tile = kv.KeyTile(first / kCacheKeyTile * kCacheKeyTile);
+        const size_t lane0 = static_cast<size_t>(first % kCacheKeyTile);
+        for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
+          const float* q = qs + r0 * static_cast<int64_t>(ldq);
+          const float* qg = qsum + r0 * static_cast<int64_t>(groups);
+          const float* qr = qo + r0 * kOut;
+          float* sr = s + r0 * static_cast<int64_t>(block) + static_cast<int64_t>(kb * N);
+#if MHA_DECODE_DOTS
+          if (dots) {
+            const int32_t* h = qh + r0 * static_cast<int64_t>(ldw);
+            const int32_t* l = ql + r0 * static_cast<int64_t>(ldw);
+            switch (std::min<int64_t>(kTileRows, R - r0)) {
+#define MHA_TILE_DOTS(RT) \
+  TileDots<kBits, RT>(tile.codes, tile.scales, groups, h, l, ldw, qscale + r0, qg, qr, nout, sr, block)
+              case 1: MHA_TILE_DOTS(1); break;
+              case 2: MHA_TILE_DOTS(2); break;
+              case 3: MHA_TILE_DOTS(3); break;
+              default: MHA_TILE_DOTS(kTileRows); break;
+#undef MHA_TILE_DOTS
+            }
+            continue;
+          }
+#endif
+          switch (std::min<int64_t>(kTileRows, R - r0)) {
+#define MHA_TILE_SCORES(RT) \
+  TileScores<kBits, RT>(d, tile.codes, tile.scales, lane0, groups, q, ldq, qg, qr, nout, sr, block)
+            case 1: MHA_TILE_SCORES(1); break;
+            case 2: MHA_TILE_SCORES(2); break;
+            case 3: MHA_TILE_SCORES(3); break;
+            default: MHA_TILE_SCORES(kTileRows); break;
+#undef MHA_TILE_SCORES
+          }
+        }
+      } else if constexpr (kStage) {
         // Widen or dequantize the N keys once into the stage (L1), which every query row reads.
         for (size_t x = 0; x < N; ++x) kv.Stage(d, krows[x], depth, kstage + x * N, N * N);
-        if constexpr (Kv::kOutliers) {
-          for (size_t x = 0; x < N; ++x)
-            for (size_t i = 0; i < nout; ++i) ostage[i * N + x] = kv.KeyOutlier(krows[x], i);
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          auto sc = StagedScores(d, qs + r * ldq, kstage, ldq / N);
-          for (size_t i = 0; i < nout; ++i)
-            sc = hn::MulAdd(hn::Set(d, qo[r * kOut + static_cast<int64_t>(i)]), hn::Load(d, ostage + i * N), sc);
-          hn::Store(sc, d, s + r * block + kb * N);
-        }
+        for (int64_t r = 0; r < R; ++r)
+          hn::Store(StagedScores(d, qs + r * ldq, kstage, ldq / N), d, s + r * block + kb * N);
       } else {
         for (int64_t r = 0; r < R; ++r) {
           const auto sc = tail ? DotScores<true>(d, qs + r * ldq, kv, krows, depth)

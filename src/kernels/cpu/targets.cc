@@ -1,6 +1,7 @@
 // Which SIMD targets the fast kernels were compiled for and may run here.
 #include <hwy/targets.h>
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,21 @@ std::vector<std::string> simd_targets() {
   for (int64_t t : hwy::SupportedAndGeneratedTargets()) names.emplace_back(hwy::TargetName(t));
   return names;
 }
+
+namespace {
+std::atomic<bool> int8_dots_allowed{true};
+}  // namespace
+
+bool decode_int8_dots() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool supported = __builtin_cpu_supports("avx512vnni");
+#else
+  constexpr bool supported = false;
+#endif
+  return supported && int8_dots_allowed.load(std::memory_order_relaxed);
+}
+
+void allow_decode_int8_dots(bool allow) { int8_dots_allowed.store(allow, std::memory_order_relaxed); }
 
 void force_simd_target(const std::string& name) {
   if (name.empty()) {
