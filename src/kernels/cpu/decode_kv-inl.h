@@ -5,7 +5,7 @@
 // KeyTile(j), kv_cache.h has the layout); Columns(row, c0) is that row from
 // column c0 on (c0 a multiple of kColumnAlign); Load(d, row, c) gives values [c, c + N) as
 // floats; PlainKv's Stage writes a whole row's floats; PrefetchKey(j) / PrefetchValue(j) ask for
-// a row's cache lines (into L2).
+// a row's cache lines (into L2), QuantKv's PrefetchKeyTile(j) for a key tile's.
 #if defined(MHA_KERNELS_CPU_DECODE_KV_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_KV_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_KV_INL_H_
@@ -150,11 +150,11 @@ struct QuantKv {
     return hn::MulAdd(Codes(d, r, g, c % kGroup), hn::Set(d, r.scales[2 * g]), hn::Set(d, r.scales[2 * g + 1]));
   }
   HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t) const { return Load(d, r, c); }
-  // A sixteenth of key j's tile, its codes and scales: where row j would start, a row's bytes
-  // (so the tile's 16 keys ask for all of it).
-  HWY_INLINE void PrefetchKey(int64_t j) const {
-    PrefetchLines<kTo>(k + kr(j), kbytes);
-    PrefetchLines<kTo>(ksc + ksr(j), (2 * kgroups + static_cast<size_t>(kCacheKeyOutliers)) * sizeof(float));
+  // The tile of keys from j (a multiple of kCacheKeyTile): its codes and scales.
+  HWY_INLINE void PrefetchKeyTile(int64_t j) const {
+    const Tile t = KeyTile(j);
+    PrefetchLines<kTo>(t.codes, kCacheKeyTile * kbytes);
+    PrefetchLines<kTo>(t.scales, kCacheKeyTile * (2 * kgroups + kCacheKeyOutliers) * sizeof(float));
   }
   HWY_INLINE void PrefetchValue(int64_t j) const {
     const Row r = value(j);

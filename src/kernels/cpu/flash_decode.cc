@@ -455,10 +455,14 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       for (int64_t r = 0; r < R; ++r) hn::Store(hn::Set(d, kNegInf), d, s + r * block + kb * N);
     for (size_t kb = 0; kb < nkb; ++kb) {
       const int64_t first = j0 + static_cast<int64_t>(kb * N);
-      for (size_t x = 0; x < N; ++x) {
-        const int64_t j = first + static_cast<int64_t>(x);
-        if constexpr (!Kv::kKeyTiles) krows[x] = kv.key(std::min(j, j0 + jn - 1));
-        if (j + ahead_keys < ub) kv.PrefetchKey(j + ahead_keys);
+      if constexpr (Kv::kKeyTiles) {  // a tile at a time: one address for 16 keys (docs/benchmarks.md)
+        if (first % kCacheKeyTile == 0 && first + ahead_keys < ub) kv.PrefetchKeyTile(first + ahead_keys);
+      } else {
+        for (size_t x = 0; x < N; ++x) {
+          const int64_t j = first + static_cast<int64_t>(x);
+          krows[x] = kv.key(std::min(j, j0 + jn - 1));
+          if (j + ahead_keys < ub) kv.PrefetchKey(j + ahead_keys);
+        }
       }
       if constexpr (Kv::kKeyTiles) {
         // Keys past the last of a partial tile read the tile's other lanes (its storage exists;
