@@ -197,6 +197,38 @@ TEST_P(KvCacheQuant, NonFiniteValuesMakeTheirGroupNaN) {
   }
 }
 
+// A query row with a NaN or an infinity gives NaN in its own output row only, whether or not the
+// kernel rounds queries to 16 bits for integer dot products (a non-finite row turns them off for
+// its kv head: the other rows then take the float path, within the dot products' bound of the
+// clean call, docs/numerics.md).
+TEST_P(KvCacheQuant, NonFiniteQueriesReachOnlyTheirRows) {
+  KvCacheConfig c;
+  c.batch = 1;
+  c.kv_heads = 1;
+  c.head_dim_qk = c.head_dim_v = 64;
+  c.dtype = GetParam();
+  KvCache cache(c);
+  Rng rng(base_seed() + 803);
+  const Tensor k = random_tensor(rng, {1, 1, 40, 64}), v = random_tensor(rng, {1, 1, 40, 64});
+  cache.append(k.view<float>(), v.view<float>());
+  Tensor q = random_tensor(rng, {1, 4, 1, 64});
+  Tensor clean(DType::kF32, {1, 4, 1, 64}), got(DType::kF32, {1, 4, 1, 64});
+  attend(q.view<float>(), cache, clean.view<float>());
+  q.view<float>().at(0, 1, 0, 7) = std::nanf("");
+  q.view<float>().at(0, 2, 0, 60) = std::numeric_limits<float>::infinity();
+  attend(q.view<float>(), cache, got.view<float>());
+  for (int64_t h = 0; h < 4; ++h) {
+    double diff = 0, norm = 0;  // norm-wise, as the bound is (the row's scale)
+    for (int64_t e = 0; e < 64; ++e) {
+      const double x = got.view<float>().at(0, h, 0, e), want = clean.view<float>().at(0, h, 0, e);
+      if (h == 1 || h == 2) EXPECT_TRUE(std::isnan(x)) << h << " " << e;
+      diff += (x - want) * (x - want);
+      norm += want * want;
+    }
+    if (h == 0 || h == 3) EXPECT_LE(std::sqrt(diff), std::sqrt(norm) / (1 << 12)) << h;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Types, KvCacheQuant, ::testing::Values(CacheType::kInt8, CacheType::kInt4), type_param);
 
 // The decode kernel on the codes against the float32 kernel on the values they stand for (a

@@ -289,27 +289,32 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
 // 256·h + l ≈ q / qscale[r] (|·| ≤ 127·256, so h ∈ [-127, 127], l ∈ [-128, 127]), h and l packed
 // 4 channels (bytes) to a word. False if a row has a value that is not finite (the float path
 // then keeps its NaN).
-inline bool QueryDots(const float* q, size_t ldq, int64_t R, int32_t* qh, int32_t* ql, float* qscale) {
-  const size_t ldw = ldq / 4;
+inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, int32_t* qh, int32_t* ql, float* qscale) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<int8_t, decltype(di)> d8;
+  const size_t N = hn::Lanes(d);
+  constexpr float kTop = 32512.0f;  // 127 · 256
   for (int64_t r = 0; r < R; ++r) {
     const float* x = q + r * static_cast<int64_t>(ldq);
-    float top = 0.0f;
-    for (size_t c = 0; c < ldq; ++c) {
-      if (!std::isfinite(x[c])) return false;
-      top = std::max(top, std::fabs(x[c]));
+    auto top = hn::Zero(d);
+    for (size_t c = 0; c < ldq; c += N) {
+      const auto v = hn::Load(d, x + c);
+      if (!hn::AllTrue(d, hn::IsFinite(v))) return false;
+      top = hn::Max(top, hn::Abs(v));
     }
-    qscale[r] = top > 0.0f ? top / 32512.0f : 1.0f;
-    const float inv = 1.0f / qscale[r];
-    for (size_t w = 0; w < ldw; ++w) {
-      uint32_t hw = 0, lw = 0;
-      for (size_t k = 0; k < 4; ++k) {
-        const auto v = static_cast<int32_t>(std::clamp(std::nearbyint(x[4 * w + k] * inv), -32512.0f, 32512.0f));
-        const int32_t h = (v + 128) >> 8, l = v - 256 * h;  // floor((v + 128) / 256)
-        hw |= static_cast<uint32_t>(static_cast<uint8_t>(h)) << (8 * k);
-        lw |= static_cast<uint32_t>(static_cast<uint8_t>(l)) << (8 * k);
-      }
-      qh[r * static_cast<int64_t>(ldw) + static_cast<int64_t>(w)] = static_cast<int32_t>(hw);
-      ql[r * static_cast<int64_t>(ldw) + static_cast<int64_t>(w)] = static_cast<int32_t>(lw);
+    const float t = hn::GetLane(hn::MaxOfLanes(d, top));
+    qscale[r] = t > 0.0f ? t / kTop : 1.0f;
+    const auto inv = hn::Set(d, 1.0f / qscale[r]);
+    // Bytes in channel order: byte k of word w is channel 4w + k (little-endian words).
+    auto* h8 = reinterpret_cast<int8_t*>(qh + r * static_cast<int64_t>(ldq / 4));
+    auto* l8 = reinterpret_cast<int8_t*>(ql + r * static_cast<int64_t>(ldq / 4));
+    for (size_t c = 0; c < ldq; c += N) {
+      auto v = hn::NearestInt(hn::Mul(hn::Load(d, x + c), inv));
+      v = hn::Min(hn::Max(v, hn::Set(di, -32512)), hn::Set(di, 32512));
+      const auto h = hn::ShiftRight<8>(hn::Add(v, hn::Set(di, 128)));  // ⌊(v + 128) / 256⌋
+      const auto l = hn::Sub(v, hn::ShiftLeft<8>(h));
+      hn::StoreU(hn::DemoteTo(d8, h), d8, h8 + c);
+      hn::StoreU(hn::DemoteTo(d8, l), d8, l8 + c);
     }
   }
   return true;
@@ -418,7 +423,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     if (decode_int8_dots()) {
       qh = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * ldw);
       ql = qh + R * static_cast<int64_t>(ldw);
-      dots = QueryDots(qs, ldq, R, qh, ql, qscale);
+      dots = QueryDots(d, qs, ldq, R, qh, ql, qscale);
     }
   }
   // Key tiles are read N keys at a time from a multiple of N (N divides the tile); the masks
