@@ -461,7 +461,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     for (size_t kb = 0; kb < nkb; ++kb) {
       const int64_t first = j0 + static_cast<int64_t>(kb * N);
       if constexpr (Kv::kKeyTiles) {  // a tile at a time: one address for 16 keys (docs/benchmarks.md)
-        if (first % kCacheKeyTile == 0 && first + ahead_keys < ub) kv.PrefetchKeyTile(first + ahead_keys);
+        const int64_t ahead = first + ahead_keys;
+        if (first % kCacheKeyTile == 0 && ahead < ub) kv.PrefetchKeyTile(ahead / kCacheKeyTile * kCacheKeyTile);
       } else {
         for (size_t x = 0; x < N; ++x) {
           const int64_t j = first + static_cast<int64_t>(x);
