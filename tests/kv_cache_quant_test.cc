@@ -1,7 +1,7 @@
-// int8 and int4 KV caches: the stored format is the one kv_cache.h documents; the decode kernel
-// reading the codes gives the same bits as the float32 kernel over their dequantized values (on
-// every SIMD target with FMA; within a derived bound on the portable one); the error against a
-// float32 cache on random and outlier-heavy keys (docs/numerics.md); step() over them.
+// int8 and int4 KV caches: the stored format is the one kv_cache.h documents (key tiles too); the
+// decode kernel reading the codes agrees with the float32 kernel over their dequantized values
+// within derived bounds (float and integer dot products); non-finite queries; the error against
+// a float32 cache on random and outlier-heavy keys (docs/numerics.md); step() over them.
 #include <gtest/gtest.h>
 
 #include <algorithm>

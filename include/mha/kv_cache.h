@@ -54,8 +54,8 @@ enum class CacheType : uint8_t { kF32, kBF16, kF16, kInt8, kInt4 };
 const char* cache_type_name(CacheType type);
 // Values per quantization group of the int8 and int4 caches.
 constexpr int64_t kCacheQuantGroup = 32;
-// Key positions per tile of an int8/int4 cache, and the bytes of a tile's lane words (kv_cache.h
-// top: key tiles).
+// Key positions per tile of an int8/int4 cache, and the bytes of a tile's words (above: key
+// tiles).
 constexpr int64_t kCacheKeyTile = 16;
 constexpr int64_t kCacheKeyTileBytes = 64;
 // Outlier key channels an int8/int4 cache keeps exactly, per sequence and kv head.
@@ -66,7 +66,8 @@ struct KvCacheConfig {
   int64_t kv_heads = 1;
   int64_t head_dim_qk = 0;
   int64_t head_dim_v = 0;
-  int64_t capacity = 0;  // initial slots per sequence (grown by doubling; int8/int4: whole tiles of 16); 0: 16
+  int64_t capacity = 0;  // initial slots per sequence (grown by doubling; int8/int4: rounded up to
+                         // whole tiles of 16); 0: 16
   int64_t window = 0;    // 0: keep every position; else a ring of the last `window` positions
   int64_t sink_tokens = 0;  // with a window: positions [0, sink_tokens) are kept as well, in slots
                             // of their own before the ring (StreamingLLM's attention sinks)
