@@ -280,11 +280,6 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
   }
   for (size_t r = 0; r < RT; ++r) _mm512_storeu_ps(s + r * lds, acc[r]);
 }
-#define MHA_DECODE_DOTS 1
-#else
-#define MHA_DECODE_DOTS 0
-#endif
-
 // The query rows of TileDots: row r of q (ldq floats, a multiple of 4) as 16-bit integers
 // 256·h + l ≈ q / qscale[r] (|·| ≤ 127·256, so h ∈ [-127, 127], l ∈ [-128, 127]), h and l packed
 // 4 channels (bytes) to a word. False if a row has a value that is not finite (the float path
@@ -319,6 +314,11 @@ inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, int32_t* qh, 
   }
   return true;
 }
+
+#define MHA_DECODE_DOTS 1
+#else
+#define MHA_DECODE_DOTS 0
+#endif
 
 template <class F>
 HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
@@ -413,19 +413,21 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     l[r] = 0.0f;
     std::fill(o + r * dvp, o + (r + 1) * dvp, 0.0f);
   }
+#if MHA_DECODE_DOTS
   // Integer dot products for the key tiles where the CPU has them (TileDots).
   const size_t ldw = ldq / 4;
   int32_t* qh = nullptr;
   int32_t* ql = nullptr;
   float qscale[kMaxDecodeRows];
   bool dots = false;
-  if constexpr (Kv::kKeyTiles && MHA_DECODE_DOTS) {
+  if constexpr (Kv::kKeyTiles) {
     if (decode_int8_dots()) {
       qh = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * ldw);
       ql = qh + R * static_cast<int64_t>(ldw);
       dots = QueryDots(d, qs, ldq, R, qh, ql, qscale);
     }
   }
+#endif
   // Key tiles are read N keys at a time from a multiple of N (N divides the tile); the masks
   // below drop keys before a row's first.
   if constexpr (Kv::kKeyTiles) ua = ua / static_cast<int64_t>(N) * static_cast<int64_t>(N);
