@@ -54,7 +54,9 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
 
 namespace {
 // n slots rounded up to whole key tiles.
-int64_t tiles_of(int64_t n) { return (n + kCacheKeyTile - 1) / kCacheKeyTile * kCacheKeyTile; }
+int64_t tiles_of(int64_t n) {
+  return checked_add(n, kCacheKeyTile - 1, "KvCache: capacity") / kCacheKeyTile * kCacheKeyTile;
+}
 }  // namespace
 
 int64_t KvCache::kept_slots() const {
@@ -141,8 +143,7 @@ Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, bool keys, in
     if (keys)
       read_key_row(data.data<uint8_t>(), scales.data<float>(), r, ch, outliers, width, c.dtype, dst);
     else
-      read_row(data.data<uint8_t>() + r * row_bytes, scales.data<float>() + r * row_scales, nullptr, nullptr, width,
-               c.dtype, dst);
+      read_row(data.data<uint8_t>() + r * row_bytes, scales.data<float>() + r * row_scales, width, c.dtype, dst);
   }
   return out;
 }
@@ -189,7 +190,7 @@ void KvCache::reserve(int64_t slots) {
   if (slots <= capacity_) return;
   const auto& c = config_;
   // int8/int4 keys are stored by tiles of kCacheKeyTile slots: whole tiles.
-  if (quantized()) slots = checked_add(slots, kCacheKeyTile - 1, "KvCache: capacity") / kCacheKeyTile * kCacheKeyTile;
+  if (quantized()) slots = tiles_of(slots);
   const DType et = element_type(c.dtype);
   // Each plane is (B, Hkv, slots, width); rows [0, stored) keep their slots: a ring only grows
   // before it wraps (capacity < window). Whole key tiles are copied (both capacities are
@@ -263,10 +264,10 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
           write_key_row(key, k.stride[3], c.head_dim_qk, c.dtype, inv.data(), outliers, k_.data<uint8_t>(),
                         k_scales_.data<float>(), row);
         else
-          write_row(key, k.stride[3], c.head_dim_qk, c.dtype, nullptr, nullptr,
-                    static_cast<std::byte*>(k_.raw()) + row * kw * es, nullptr);
+          write_row(key, k.stride[3], c.head_dim_qk, c.dtype, static_cast<std::byte*>(k_.raw()) + row * kw * es,
+                    nullptr);
         write_row(v.data + b * v.stride[0] + h * v.stride[1] + t * v.stride[2], v.stride[3], c.head_dim_v, c.dtype,
-                  nullptr, nullptr, static_cast<std::byte*>(v_.raw()) + row * vw * es,
+                  static_cast<std::byte*>(v_.raw()) + row * vw * es,
                   bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);
       }
     }

@@ -144,13 +144,12 @@ int64_t row_elements(CacheType t, int64_t width) {
   return bits ? quant_groups(width) * kCacheQuantGroup * bits / 8 : width;
 }
 
-void write_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel,
-               const int64_t* outliers, void* data, float* scales) {
+void write_row(const float* row, int64_t cs, int64_t width, CacheType type, void* data, float* scales) {
   const int bits = quant_bits(type);
   if (bits) {
     auto* codes = static_cast<uint8_t*>(data);
     quantize_row(
-        row, cs, width, bits, inv_channel, outliers,
+        row, cs, width, bits, nullptr, nullptr,
         [&](int64_t c, uint8_t code) { put_code(codes, row_code_at(bits, c), bits, code); },
         [&](int64_t e) -> float& { return scales[e]; });
     return;
@@ -170,13 +169,12 @@ void write_row(const float* row, int64_t cs, int64_t width, CacheType type, cons
     dst[d] = dtype == DType::kBF16 ? float_to_bf16(row[d * cs]) : float_to_half(row[d * cs]);
 }
 
-void read_row(const void* data, const float* scales, const float* channel, const int64_t* outliers, int64_t width,
-              CacheType type, float* dst) {
+void read_row(const void* data, const float* scales, int64_t width, CacheType type, float* dst) {
   const int bits = quant_bits(type);
   if (bits) {
     const auto* codes = static_cast<const uint8_t*>(data);
     dequantize_row([&](int64_t c) { return get_code(codes, row_code_at(bits, c), bits); },
-                   [&](int64_t e) { return scales[e]; }, channel, outliers, width, dst);
+                   [&](int64_t e) { return scales[e]; }, nullptr, nullptr, width, dst);
     return;
   }
   if (type == CacheType::kF32) {

@@ -19,18 +19,17 @@ int64_t row_elements(CacheType t, int64_t width);  // stored elements (bytes for
 int64_t scale_elements(int64_t width, bool keys);
 int64_t outlier_offset(int64_t width);
 
-// Stores row[0 .. width) (column stride cs) at data (row_elements of the type) and, for int8/int4,
-// its scales at scales (scale_elements); inv_channel (or nullptr) multiplies it first; outliers
-// (keys, or nullptr): the kCacheKeyOutliers channels kept exactly (-1: unused).
-void write_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel,
-               const int64_t* outliers, void* data, float* scales);
-// The stored row as float32 into dst (times channel, if not nullptr; outliers as in write_row).
-void read_row(const void* data, const float* scales, const float* channel, const int64_t* outliers, int64_t width,
-              CacheType type, float* dst);
+// Stores a value row, or a key row of a float32/bfloat16/float16 cache: row[0 .. width) (column
+// stride cs) at data (row_elements of the type) and, for int8/int4, its scales at scales
+// (scale_elements).
+void write_row(const float* row, int64_t cs, int64_t width, CacheType type, void* data, float* scales);
+// The stored row (as write_row's) as float32 into dst.
+void read_row(const void* data, const float* scales, int64_t width, CacheType type, float* dst);
 // Key rows of int8/int4 caches are stored in tiles of kCacheKeyTile rows (kv_cache.h): row r of
 // the pools codes (row_elements bytes per row) and scales (scale_elements(width, true) floats per
-// row), whose (sequence, kv head) planes start at multiples of kCacheKeyTile rows. As write_row
-// and read_row otherwise.
+// row), whose (sequence, kv head) planes start at multiples of kCacheKeyTile rows. inv_channel
+// (or nullptr) multiplies the row first and channel (or nullptr) the row read back; outliers: the
+// kCacheKeyOutliers channels kept exactly (-1: unused).
 void write_key_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel,
                    const int64_t* outliers, uint8_t* codes, float* scales, int64_t r);
 void read_key_row(const uint8_t* codes, const float* scales, int64_t r, const float* channel, const int64_t* outliers,

@@ -199,9 +199,8 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
         write_key_row(key, k.stride[2], c.head_dim_qk, c.dtype, inv.data(), s.outliers.data() + h * kCacheKeyOutliers,
                       k_.data<uint8_t>(), k_scales_.data<float>(), row);
       else
-        write_row(key, k.stride[2], c.head_dim_qk, c.dtype, nullptr, nullptr,
-                  static_cast<std::byte*>(k_.raw()) + row * kw * es, nullptr);
-      write_row(v.data + h * v.stride[0] + t * v.stride[1], v.stride[2], c.head_dim_v, c.dtype, nullptr, nullptr,
+        write_row(key, k.stride[2], c.head_dim_qk, c.dtype, static_cast<std::byte*>(k_.raw()) + row * kw * es, nullptr);
+      write_row(v.data + h * v.stride[0] + t * v.stride[1], v.stride[2], c.head_dim_v, c.dtype,
                 static_cast<std::byte*>(v_.raw()) + row * vw * es,
                 bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);
     }
@@ -233,8 +232,7 @@ Tensor PagedKvCache::as_float(int64_t id, bool keys) const {
                      s.outliers.data() + h * kCacheKeyOutliers, D, c.dtype, dst);
       else
         read_row(static_cast<const std::byte*>(data.raw()) + row * width * es,
-                 scales.defined() ? scales.data<float>() + row * scales.shape()[3] : nullptr, nullptr, nullptr, D,
-                 c.dtype, dst);
+                 scales.defined() ? scales.data<float>() + row * scales.shape()[3] : nullptr, D, c.dtype, dst);
     }
   return out;
 }
