@@ -161,6 +161,12 @@ struct QuantKv {
     PrefetchLines<kTo>(r.codes, vbytes);
     PrefetchLines<kTo>(r.scales, vbytes / kGroupBytes * 2 * sizeof(float));
   }
+  // Values j and j + 1 (j even: a page holds whole tiles, so both rows are in one page, adjacent).
+  HWY_INLINE void PrefetchValuePair(int64_t j) const {
+    const Row r = value(j);
+    PrefetchLines<kTo>(r.codes, 2 * vbytes);
+    PrefetchLines<kTo>(r.scales, 2 * vbytes / kGroupBytes * 2 * sizeof(float));
+  }
 };
 
 }  // namespace decode

@@ -7,7 +7,8 @@
 //   output  O[r][c]  with value columns in the lanes: each V row is loaded once per block and
 //                    broadcast-multiplied into every row's accumulator.
 // Each K/V byte is read from memory once per step; 16-bit K and V are widened and int8/int4
-// cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h). The keys of a
+// cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h; int8/int4 keys by
+// tiles, TileScores/TileDots; int4 values with bfloat16 dot products, Int4Output). The keys of a
 // (batch, kv head) may be cut into S chunks (S depends on the shape alone, never on threads)
 // that run as separate tasks; their partial (O, m, l) are merged in chunk order through their
 // log-sum-exp, so the result has the same bits for any thread count.
@@ -315,6 +316,85 @@ inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, int32_t* qh, 
   return true;
 }
 
+// The value pass over an int4 cache with bfloat16 dot products (AVX-512 BF16, checked at run
+// time): keys in pairs (j, j + 1), so that one vdpbf16ps adds P_j·V_j[c] + P_{j+1}·V_{j+1}[c]
+// to column c's lane, 32 products per instruction where the float pass has 16 and a dequantizing
+// FMA. P comes as bfloat16 pairs (PairWeights: the dword jp of a row holds P[2jp], P[2jp + 1]).
+// The values come from a table per group and key pair: the 16 values min + scale·code of key
+// j, then of key j + 1, as bfloat16 (32 words); vpermw picks each lane's word by its 4-bit code,
+// plus 16 for key j + 1. Each rounding to bfloat16 (nearest even) moves its factor by at most
+// 2^-8 of it, a product by at most 2^-7 (docs/numerics.md); the sums stay float32.
+template <size_t RG, size_t NV>
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
+    const uint32_t* pw, size_t ldw, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows, size_t c0, size_t jn,
+    const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
+  static_assert(kCacheQuantGroup == 32, "a group is two vectors of 16 columns");
+  constexpr size_t NG = (NV + 1) / 2;  // groups of the pass
+  __m512 acc[RG][NV];
+  for (size_t r = 0; r < RG; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (size_t c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * 16), a);
+  }
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i second = _mm512_set1_epi32(0x00100000);  // word 2i + 1: key j + 1's half of the table
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F);
+  for (size_t j = 0; j < jn; j += 2) {
+    // An odd last key pairs with itself, weighted by P[jn] = 0 (masked: keys past jn are -inf).
+    const QuantKv<4>::Row a = QuantKv<4>::Columns(vrows[j], c0);
+    const QuantKv<4>::Row b = QuantKv<4>::Columns(vrows[std::min(j + 1, jn - 1)], c0);
+    // The next block's value rows, a pair per address (fewer addresses and lines than one by one:
+    // the int4 step at 32768 positions took ~14% less time).
+    const int64_t ahead = prefetch.lo + static_cast<int64_t>(j);
+    if (ahead < prefetch.hi) kv.PrefetchValuePair(ahead);
+    for (size_t g = 0; g < NG; ++g) {
+      const __m512 ta = _mm512_fmadd_ps(iota, _mm512_set1_ps(a.scales[2 * g]), _mm512_set1_ps(a.scales[2 * g + 1]));
+      const __m512 tb = _mm512_fmadd_ps(iota, _mm512_set1_ps(b.scales[2 * g]), _mm512_set1_ps(b.scales[2 * g + 1]));
+      const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(tb, ta));  // words 0-15: key j's
+      // Byte i of a group's 16 holds column i (low nibble) and i + 16 (high): key j's bytes in the
+      // low words of dwords, key j + 1's in the high.
+      const __m512i w = _mm512_or_si512(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.codes + g * 16))),
+          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.codes + g * 16))),
+                            16));
+      const __m512i lo = _mm512_ternarylogic_epi32(w, nibble, second, 0xEA);  // (w & nibble) | second
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi32(w, 4), second);   // vpermw reads bits 0-4
+      const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(lo, table));
+      const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(hi, table));
+      for (size_t r = 0; r < RG; ++r) {
+        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pw[r * ldw + j / 2])));
+        acc[r][2 * g] = _mm512_dpbf16_ps(acc[r][2 * g], x0, p);
+        if (2 * g + 1 < NV) acc[r][2 * g + 1] = _mm512_dpbf16_ps(acc[r][2 * g + 1], x1, p);
+      }
+    }
+  }
+  for (size_t r = 0; r < RG; ++r)
+    for (size_t c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * ldo + c * 16, acc[r][c]);
+}
+
+template <size_t RG>
+void Int4OutputCols(const uint32_t* pw, size_t ldw, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows, size_t c0,
+                    size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
+  static_assert(kOutVecs == 4, "a case for each vector count up to kOutVecs");
+  switch ((ncols + 15) / 16) {
+    case 1: Int4Output<RG, 1>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
+    case 2: Int4Output<RG, 2>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
+    case 3: Int4Output<RG, 3>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
+    default: Int4Output<RG, kOutVecs>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
+  }
+}
+
+// The rows' P (R rows of `block` floats, block a multiple of 32) as bfloat16, rounded to
+// nearest even, in order: dword jp of a row holds P[2jp] (low half) and P[2jp + 1].
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void PairWeights(const float* s, int64_t R, size_t block,
+                                                                           uint32_t* pw) {
+  for (int64_t r = 0; r < R; ++r)
+    for (size_t k = 0; k < block; k += 32) {
+      const float* x = s + r * static_cast<int64_t>(block) + k;
+      const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+      _mm512_storeu_si512(pw + r * static_cast<int64_t>(block / 2) + k / 2, reinterpret_cast<__m512i>(p));
+    }
+}
+
 #define MHA_DECODE_DOTS 1
 #else
 #define MHA_DECODE_DOTS 0
@@ -427,6 +507,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       dots = QueryDots(d, qs, ldq, R, qh, ql, qscale);
     }
   }
+  // int4 values with bfloat16 dot products where the CPU has them (Int4Output).
+  const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots();
+  uint32_t* pw = pairs ? ws.get<uint32_t>(Workspace::kDecodeWeightPairs, static_cast<size_t>(R) * block / 2) : nullptr;
 #endif
   // Key tiles are read N keys at a time from a multiple of N (N divides the tile); the masks
   // below drop keys before a row's first.
@@ -567,6 +650,33 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     }
     // The block's value rows, found once for every pass below.
     for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
+#if MHA_DECODE_DOTS
+    if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
+      if (pairs) {  // int4 values with bfloat16 dot products (Int4Output)
+        PairWeights(s, R, block, pw);
+        for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
+          const size_t nc = std::min(kOutVecs * N, Dv - c0);
+          ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
+            const KeyRange prefetch = r0 == 0 && c0 == 0 ? KeyRange{j0 + ahead_keys, ub} : KeyRange{0, 0};
+            const uint32_t* w = pw + r0 * block / 2;
+            float* oc = o + r0 * dvp + c0;
+            const size_t ju = static_cast<size_t>(jn);
+            switch (rg) {
+#define MHA_INT4_OUTPUT(RG) Int4OutputCols<RG>(w, block / 2, kv, vrows, c0, nc, ju, alpha + r0, oc, dvp, prefetch)
+              case 1: MHA_INT4_OUTPUT(1); break;
+              case 2: MHA_INT4_OUTPUT(2); break;
+              case 3: MHA_INT4_OUTPUT(3); break;
+              case 4: MHA_INT4_OUTPUT(4); break;
+              case 5: MHA_INT4_OUTPUT(5); break;
+              default: MHA_INT4_OUTPUT(kRowGroup); break;
+#undef MHA_INT4_OUTPUT
+            }
+          });
+        }
+        continue;
+      }
+    }
+#endif
     for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
       const size_t nc = std::min(kOutVecs * N, Dv - c0);
       ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {

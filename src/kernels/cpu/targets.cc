@@ -17,7 +17,7 @@ std::vector<std::string> simd_targets() {
 }
 
 namespace {
-std::atomic<bool> int8_dots_allowed{true};
+std::atomic<bool> dot_products_allowed{true};
 }  // namespace
 
 bool decode_int8_dots() {
@@ -26,10 +26,19 @@ bool decode_int8_dots() {
 #else
   constexpr bool supported = false;
 #endif
-  return supported && int8_dots_allowed.load(std::memory_order_relaxed);
+  return supported && dot_products_allowed.load(std::memory_order_relaxed);
 }
 
-void allow_decode_int8_dots(bool allow) { int8_dots_allowed.store(allow, std::memory_order_relaxed); }
+bool decode_bf16_dots() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+#else
+  constexpr bool supported = false;
+#endif
+  return supported && dot_products_allowed.load(std::memory_order_relaxed);
+}
+
+void allow_decode_dot_products(bool allow) { dot_products_allowed.store(allow, std::memory_order_relaxed); }
 
 void force_simd_target(const std::string& name) {
   if (name.empty()) {
