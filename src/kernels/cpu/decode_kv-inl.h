@@ -82,8 +82,9 @@ struct PlainKv {
   // at dst + i·stride.
   HWY_INLINE void Stage(DF d, Row r, size_t depth, float* HWY_RESTRICT dst, size_t stride) const {
     const size_t N = hn::Lanes(d);
-    for (size_t c = 0; c < depth; c += N)
-      hn::Store(c + N > depth ? LoadPartial(d, r, c, depth - c) : Load(d, r, c), d, dst + c / N * stride);
+    size_t c = 0, i = 0;  // i: vector c / N
+    for (; c + N <= depth; c += N, ++i) hn::Store(Load(d, r, c), d, dst + i * stride);
+    if (c < depth) hn::Store(LoadPartial(d, r, c, depth - c), d, dst + i * stride);
   }
   HWY_INLINE void PrefetchKey(int64_t j) const { PrefetchLines<kTo>(key(j), kdim * sizeof(T)); }
   HWY_INLINE void PrefetchValue(int64_t j) const { PrefetchLines<kTo>(value(j), vdim * sizeof(T)); }

@@ -524,6 +524,15 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const hn::RebindToSigned<DF> di;
 
   const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
+  // The first block's rows, which no earlier block prefetched.
+  for (int64_t j = ua; j < std::min(ub, ua + ahead_keys); ++j) {
+    if constexpr (Kv::kKeyTiles) {
+      if (j == ua || j % kCacheKeyTile == 0) kv.PrefetchKeyTile(j / kCacheKeyTile * kCacheKeyTile);
+    } else {
+      kv.PrefetchKey(j);
+    }
+    kv.PrefetchValue(j);
+  }
   for (int64_t j0 = ua; j0 < ub; j0 += static_cast<int64_t>(block)) {
     const int64_t jn = std::min<int64_t>(static_cast<int64_t>(block), ub - j0);
     if (p.sink_tokens > 0) {  // a block in the gap between sink tokens and every row's window: skip
