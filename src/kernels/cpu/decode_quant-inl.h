@@ -1,0 +1,242 @@
+// The int8/int4 parts of the decode kernel (flash_decode.cc) that read the codes with their
+// own layout: key tiles scored with float FMAs on every target (TileScores) or with 8-bit integer
+// dot products (TileDots, on a query rounded to 16 bits by QueryDots), and an int4 cache's values
+// with bfloat16 dot products (Int4Output, on weights rounded by PairWeights). The dot products
+// are AVX-512 VNNI / BF16 intrinsics in functions compiled for those features on top of the AVX3
+// target's flags (Highway 1.0 has no 8-bit or bfloat16 dot product op; docs/ARCHITECTURE.md); the
+// kernel takes them where the CPU has them (decode_int8_dots(), decode_bf16_dots()):
+// MHA_DECODE_DOTS says whether this target has them at all.
+#if defined(MHA_KERNELS_CPU_DECODE_QUANT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MHA_KERNELS_CPU_DECODE_QUANT_INL_H_
+#undef MHA_KERNELS_CPU_DECODE_QUANT_INL_H_
+#else
+#define MHA_KERNELS_CPU_DECODE_QUANT_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "hwy/highway.h"
+#include "kernels/attention_params.h"
+#include "kernels/cpu/decode_kv-inl.h"
+#include "mha/kv_cache.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace decode {
+
+// S[r][x] for RT rows and the N keys of a tile from lane0 (a multiple of N) of an int8/int4
+// cache (kv_cache.h: the codes of 16 keys by words of 4 bytes per key, the scales transposed).
+// Each word is split into its channels' codes as floats, keys in the lanes, and multiplied into
+// each row's sum for the group; a group's sums are then scaled, and its minimum times the row's
+// sum of the group's query entries (qsum) added: S = Σ_g scale_g·Σ_c q_c·code_c + minimum_g·Σ_c q_c,
+// then the outlier channels' exact values times their query entries (qo). No stage and no
+// horizontal sums: the scale and minimum apply once per group of 32 channels.
+template <int kBits, size_t RT>
+HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size_t lane0, size_t groups,
+                           const float* q, size_t ldq, const float* qsum, const float* qo, size_t nout, float* s,
+                           size_t lds) {
+  using V = hn::Vec<DF>;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile), kWordBytes = static_cast<size_t>(kCacheKeyTileBytes);
+  constexpr size_t kPerWord = 32 / kBits, kWords = static_cast<size_t>(kCacheQuantGroup) / kPerWord;
+  const auto mask = hn::Set(du, (1u << kBits) - 1);
+  V acc[RT];
+  for (size_t r = 0; r < RT; ++r) acc[r] = hn::Zero(d);
+  for (size_t g = 0; g < groups; ++g) {
+    V sum[RT];
+    for (size_t r = 0; r < RT; ++r) sum[r] = hn::Zero(d);
+    for (size_t w = 0; w < kWords; ++w) {
+      // The lanes' words (4-byte aligned; LoadU reads them as bytes, whatever their type).
+      const auto x = hn::LoadU(du, reinterpret_cast<const uint32_t*>(codes + (g * kWords + w) * kWordBytes) + lane0);
+      for (size_t k = 0; k < kPerWord; ++k) {
+        // int8: byte k is channel k; int4: byte k % 4, the high nibble from k = 4 on.
+        const int shift = static_cast<int>(k % 4 * 8 + k / 4 * 4);
+        const V code = hn::ConvertTo(d, hn::BitCast(di, hn::And(hn::ShiftRightSame(x, shift), mask)));
+        const float* qc = q + g * static_cast<size_t>(kCacheQuantGroup) + w * kPerWord + k;
+        for (size_t r = 0; r < RT; ++r) sum[r] = hn::MulAdd(code, hn::Set(d, qc[r * ldq]), sum[r]);
+      }
+    }
+    const V step = hn::LoadU(d, scales + 2 * g * kTile + lane0);
+    const V lo = hn::LoadU(d, scales + (2 * g + 1) * kTile + lane0);
+    for (size_t r = 0; r < RT; ++r)
+      acc[r] = hn::MulAdd(sum[r], step, hn::MulAdd(lo, hn::Set(d, qsum[r * groups + g]), acc[r]));
+  }
+  for (size_t i = 0; i < nout; ++i) {
+    const V x = hn::LoadU(d, scales + (2 * groups + i) * kTile + lane0);
+    for (size_t r = 0; r < RT; ++r)
+      acc[r] = hn::MulAdd(x, hn::Set(d, qo[r * static_cast<size_t>(kCacheKeyOutliers) + i]), acc[r]);
+  }
+  for (size_t r = 0; r < RT; ++r) hn::Store(acc[r], d, s + r * lds);
+}
+
+#undef MHA_DECODE_DOTS
+#if HWY_TARGET == HWY_AVX3
+// TileScores with 8-bit integer dot products (AVX-512 VNNI, checked at run time: the AVX3
+// target does not imply it). The query rows come as 16-bit integers q ≈ qscale · (256·h + l), h
+// and l signed bytes, packed 4 channels to a word (qh, ql: a row's words at r · ldw). Per group
+// vpdpbusd sums 4 code × byte products per key into 32-bit lanes, for h and for l; 256·Σh + Σl
+// is exact in int32 (|Σ| ≤ 32 · 255 · 127 · 257 < 2^31), then scaled as in TileScores. The
+// rounding of q to 16 bits moves a score by at most qscale/2 · Σ_c scale_g·code_c
+// (docs/numerics.md). 16 lanes: a tile per vector.
+template <int kBits, size_t RT>
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
+    const uint8_t* codes, const float* scales, size_t groups, const int32_t* qh, const int32_t* ql, size_t ldw,
+    const float* qscale, const float* qsum, const float* qo, size_t nout, float* s, size_t lds) {
+  constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile), kWordBytes = static_cast<size_t>(kCacheKeyTileBytes);
+  constexpr size_t kWords = static_cast<size_t>(kCacheQuantGroup) * kBits / 32;  // tile words per group
+  constexpr size_t kGroupWords = static_cast<size_t>(kCacheQuantGroup) / 4;     // query words per group
+  static_assert(kCacheKeyTile == 16, "a tile per vector of 16 lanes");
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[RT];
+  for (size_t r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (size_t g = 0; g < groups; ++g) {
+    __m512i sh[RT], sl[RT];
+    for (size_t r = 0; r < RT; ++r) sh[r] = sl[r] = _mm512_setzero_si512();
+    for (size_t w = 0; w < kWords; ++w) {
+      const __m512i x = _mm512_loadu_si512(codes + (g * kWords + w) * kWordBytes);
+      if constexpr (kBits == 8) {  // byte k: channel 4w + k of the group
+        const size_t qw = g * kGroupWords + w;
+        for (size_t r = 0; r < RT; ++r) {
+          sh[r] = _mm512_dpbusd_epi32(sh[r], x, _mm512_set1_epi32(qh[r * ldw + qw]));
+          sl[r] = _mm512_dpbusd_epi32(sl[r], x, _mm512_set1_epi32(ql[r * ldw + qw]));
+        }
+      } else {  // low nibbles: channels 8w .. 8w + 3 of the group; high nibbles: 8w + 4 .. 8w + 7
+        const __m512i lo = _mm512_and_si512(x, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble);
+        const size_t qw = g * kGroupWords + 2 * w;
+        for (size_t r = 0; r < RT; ++r) {
+          sh[r] = _mm512_dpbusd_epi32(sh[r], lo, _mm512_set1_epi32(qh[r * ldw + qw]));
+          sl[r] = _mm512_dpbusd_epi32(sl[r], lo, _mm512_set1_epi32(ql[r * ldw + qw]));
+          sh[r] = _mm512_dpbusd_epi32(sh[r], hi, _mm512_set1_epi32(qh[r * ldw + qw + 1]));
+          sl[r] = _mm512_dpbusd_epi32(sl[r], hi, _mm512_set1_epi32(ql[r * ldw + qw + 1]));
+        }
+      }
+    }
+    const __m512 step = _mm512_loadu_ps(scales + 2 * g * kTile), lo = _mm512_loadu_ps(scales + (2 * g + 1) * kTile);
+    for (size_t r = 0; r < RT; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh[r], 8), sl[r]));
+      acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(qsum[r * groups + g]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(step, _mm512_set1_ps(qscale[r])), acc[r]);
+    }
+  }
+  for (size_t i = 0; i < nout; ++i) {
+    const __m512 x = _mm512_loadu_ps(scales + (2 * groups + i) * kTile);
+    for (size_t r = 0; r < RT; ++r)
+      acc[r] = _mm512_fmadd_ps(x, _mm512_set1_ps(qo[r * static_cast<size_t>(kCacheKeyOutliers) + i]), acc[r]);
+  }
+  for (size_t r = 0; r < RT; ++r) _mm512_storeu_ps(s + r * lds, acc[r]);
+}
+// The query rows of TileDots: row r of q (ldq floats, a multiple of 4) as 16-bit integers
+// 256·h + l ≈ q / qscale[r] (|·| ≤ 127·256, so h ∈ [-127, 127], l ∈ [-128, 127]), h and l packed
+// 4 channels (bytes) to a word. False if a row has a value that is not finite (the float path
+// then keeps its NaN).
+inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, int32_t* qh, int32_t* ql, float* qscale) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<int8_t, decltype(di)> d8;
+  const size_t N = hn::Lanes(d);
+  constexpr float kTop = 32512.0f;  // 127 · 256
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = q + r * static_cast<int64_t>(ldq);
+    auto top = hn::Zero(d);
+    for (size_t c = 0; c < ldq; c += N) {
+      const auto v = hn::Load(d, x + c);
+      if (!hn::AllTrue(d, hn::IsFinite(v))) return false;
+      top = hn::Max(top, hn::Abs(v));
+    }
+    const float t = hn::GetLane(hn::MaxOfLanes(d, top));
+    qscale[r] = t > 0.0f ? t / kTop : 1.0f;
+    const auto inv = hn::Set(d, 1.0f / qscale[r]);
+    // Bytes in channel order: byte k of word w is channel 4w + k (little-endian words).
+    auto* h8 = reinterpret_cast<int8_t*>(qh + r * static_cast<int64_t>(ldq / 4));
+    auto* l8 = reinterpret_cast<int8_t*>(ql + r * static_cast<int64_t>(ldq / 4));
+    for (size_t c = 0; c < ldq; c += N) {
+      auto v = hn::NearestInt(hn::Mul(hn::Load(d, x + c), inv));
+      v = hn::Min(hn::Max(v, hn::Set(di, -32512)), hn::Set(di, 32512));
+      const auto h = hn::ShiftRight<8>(hn::Add(v, hn::Set(di, 128)));  // ⌊(v + 128) / 256⌋
+      const auto l = hn::Sub(v, hn::ShiftLeft<8>(h));
+      hn::StoreU(hn::DemoteTo(d8, h), d8, h8 + c);
+      hn::StoreU(hn::DemoteTo(d8, l), d8, l8 + c);
+    }
+  }
+  return true;
+}
+
+// The value pass over an int4 cache with bfloat16 dot products (AVX-512 BF16, checked at run
+// time): keys in pairs (j, j + 1), so that one vdpbf16ps adds P_j·V_j[c] + P_{j+1}·V_{j+1}[c]
+// to column c's lane, 32 products per instruction where the float pass has 16 and a dequantizing
+// FMA. P comes as bfloat16 pairs (PairWeights: the dword jp of a row holds P[2jp], P[2jp + 1]).
+// The values come from a table per group and key pair: the 16 values min + scale·code of key
+// j, then of key j + 1, as bfloat16 (32 words); vpermw picks each lane's word by its 4-bit code,
+// plus 16 for key j + 1. Each rounding to bfloat16 (nearest even) moves its factor by at most
+// 2^-8 of it, a product by at most 2^-7 (docs/numerics.md); the sums stay float32.
+template <size_t RG, size_t NV>
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
+    const uint32_t* pw, size_t ldw, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows, size_t c0, size_t jn,
+    const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
+  static_assert(kCacheQuantGroup == 32, "a group is two vectors of 16 columns");
+  constexpr size_t NG = (NV + 1) / 2;  // groups of the pass
+  __m512 acc[RG][NV];
+  for (size_t r = 0; r < RG; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (size_t c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * 16), a);
+  }
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i second = _mm512_set1_epi32(0x00100000);  // word 2i + 1: key j + 1's half of the table
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F);
+  for (size_t j = 0; j < jn; j += 2) {
+    // An odd last key pairs with itself, weighted by P[jn] = 0 (masked: keys past jn are -inf).
+    const QuantKv<4>::Row a = QuantKv<4>::Columns(vrows[j], c0);
+    const QuantKv<4>::Row b = QuantKv<4>::Columns(vrows[std::min(j + 1, jn - 1)], c0);
+    // The next block's value rows, a pair per address (fewer addresses and lines than one by one:
+    // the int4 step at 32768 positions took ~14% less time).
+    const int64_t ahead = prefetch.lo + static_cast<int64_t>(j);
+    if (ahead < prefetch.hi) kv.PrefetchValuePair(ahead);
+    for (size_t g = 0; g < NG; ++g) {
+      const __m512 ta = _mm512_fmadd_ps(iota, _mm512_set1_ps(a.scales[2 * g]), _mm512_set1_ps(a.scales[2 * g + 1]));
+      const __m512 tb = _mm512_fmadd_ps(iota, _mm512_set1_ps(b.scales[2 * g]), _mm512_set1_ps(b.scales[2 * g + 1]));
+      const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(tb, ta));  // words 0-15: key j's
+      // Byte i of a group's 16 holds column i (low nibble) and i + 16 (high): key j's bytes in the
+      // low words of dwords, key j + 1's in the high.
+      const __m512i w = _mm512_or_si512(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.codes + g * 16))),
+          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.codes + g * 16))),
+                            16));
+      const __m512i lo = _mm512_ternarylogic_epi32(w, nibble, second, 0xEA);  // (w & nibble) | second
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi32(w, 4), second);   // vpermw reads bits 0-4
+      const __m512bh x0 = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(lo, table));
+      const __m512bh x1 = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(hi, table));
+      for (size_t r = 0; r < RG; ++r) {
+        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pw[r * ldw + j / 2])));
+        acc[r][2 * g] = _mm512_dpbf16_ps(acc[r][2 * g], x0, p);
+        if (2 * g + 1 < NV) acc[r][2 * g + 1] = _mm512_dpbf16_ps(acc[r][2 * g + 1], x1, p);
+      }
+    }
+  }
+  for (size_t r = 0; r < RG; ++r)
+    for (size_t c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * ldo + c * 16, acc[r][c]);
+}
+
+// The rows' P (R rows of `block` floats, block a multiple of 32) as bfloat16, rounded to
+// nearest even, in order: dword jp of a row holds P[2jp] (low half) and P[2jp + 1].
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline void PairWeights(const float* s, int64_t R,
+                                                                                  size_t block, uint32_t* pw) {
+  for (int64_t r = 0; r < R; ++r)
+    for (size_t k = 0; k < block; k += 32) {
+      const float* x = s + r * static_cast<int64_t>(block) + k;
+      const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+      _mm512_storeu_si512(pw + r * static_cast<int64_t>(block / 2) + k / 2, reinterpret_cast<__m512i>(p));
+    }
+}
+
+#define MHA_DECODE_DOTS 1
+#else
+#define MHA_DECODE_DOTS 0
+#endif
+
+}  // namespace decode
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MHA_KERNELS_CPU_DECODE_QUANT_INL_H_
