@@ -20,21 +20,20 @@ namespace {
 std::atomic<bool> dot_products_allowed{true};
 }  // namespace
 
-bool decode_int8_dots() {
+// __builtin_cpu_supports takes a string literal, hence a macro; false off x86.
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool supported = __builtin_cpu_supports("avx512vnni");
+#define MHA_CPU_SUPPORTS(feature) __builtin_cpu_supports(feature)
 #else
-  constexpr bool supported = false;
+#define MHA_CPU_SUPPORTS(feature) false
 #endif
+
+bool decode_int8_dots() {
+  static const bool supported = MHA_CPU_SUPPORTS("avx512vnni");
   return supported && dot_products_allowed.load(std::memory_order_relaxed);
 }
 
 bool decode_bf16_dots() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool supported = __builtin_cpu_supports("avx512bf16");
-#else
-  constexpr bool supported = false;
-#endif
+  static const bool supported = MHA_CPU_SUPPORTS("avx512bf16");
   return supported && dot_products_allowed.load(std::memory_order_relaxed);
 }
 
