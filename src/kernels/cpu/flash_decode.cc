@@ -201,7 +201,6 @@ void Int4OutputCols(const uint32_t* pw, size_t ldw, const QuantKv<4>& kv, const 
 }
 #endif
 
-
 template <class F>
 HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
   for (size_t r0 = 0; r0 < rows; r0 += kRowGroup) f(r0, std::min(kRowGroup, rows - r0));
