@@ -189,8 +189,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
     // An odd last key pairs with itself, weighted by P[jn] = 0 (masked: keys past jn are -inf).
     const QuantKv<4>::Row a = QuantKv<4>::Columns(vrows[j], c0);
     const QuantKv<4>::Row b = QuantKv<4>::Columns(vrows[std::min(j + 1, jn - 1)], c0);
-    // The next block's value rows, a pair per address (fewer addresses and lines than one by one:
-    // the int4 step at 32768 positions took ~14% less time).
+    // The next block's value rows, a pair per address: a block-table lookup and a prefetch loop
+    // per key cost this pass its whole gain over the float pass (docs/benchmarks.md).
     const int64_t ahead = prefetch.lo + static_cast<int64_t>(j);
     if (ahead < prefetch.hi) kv.PrefetchValuePair(ahead);
     for (size_t g = 0; g < NG; ++g) {
