@@ -343,6 +343,62 @@ INSTANTIATE_TEST_SUITE_P(Targets, QuantDecode, ::testing::ValuesIn(kernel_cases(
                                   cache_type_name(info.param.type);
                          });
 
+// The int4 value pass exactly, on problems where every path's roundings are exact: value rows
+// whose groups each hold a 0 and a 15 (scale 1, minimum 0: the values are their codes, exact in
+// bfloat16 too) and attention weights of exactly 1 and 0 (a query 100× one key of ±1 entries:
+// every other score is more than 104 below, so its exp underflows). Each query head then reads
+// its target key's value row exactly, whether the value pass runs float FMAs or bfloat16 dot
+// products on key pairs: every position of three blocks is a target in turn (both keys of a
+// pair, the odd last key of a partial block, value heads of 40 columns: a partial group). A
+// query of zeros then attends uniformly: the mean of integers, exact in float32 sums, which a
+// dropped or doubled key would move by ~1/L. The 2^-6 bound of QuantDecode would miss both.
+TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
+  constexpr int64_t G = 6, L = 301, Dk = 32;
+  for (int64_t Dv : {40, 128}) {
+    KvCacheConfig c;
+    c.kv_heads = 1;
+    c.head_dim_qk = Dk;
+    c.head_dim_v = Dv;
+    c.dtype = CacheType::kInt4;
+    KvCache cache(c);
+    Rng rng(base_seed() + 805);
+    Tensor k(DType::kF32, {1, 1, L, Dk}), v(DType::kF32, {1, 1, L, Dv});
+    for (int64_t i = 0; i < k.numel(); ++i) k.data<float>()[i] = rng.coin() ? 1.0f : -1.0f;
+    for (int64_t t = 0; t < L; ++t)
+      for (int64_t e = 0; e < Dv; ++e)
+        v.view<float>().at(0, 0, t, e) = static_cast<float>(e % 32 == 0 ? 0 : e % 32 == 1 ? 15 : rng.range(0, 15));
+    cache.append(k.view<float>(), v.view<float>());
+    const Tensor stored = cache.values_as_float();  // (1, 1, capacity >= L, Dv)
+    for (int64_t t = 0; t < L; ++t)                 // the values are their codes
+      for (int64_t e = 0; e < Dv; ++e) ASSERT_EQ(stored.view<float>().at(0, 0, t, e), v.view<float>().at(0, 0, t, e));
+    const Tensor keys = cache.keys_as_float();
+    for (bool dots : {true, false}) {
+      kernels::allow_decode_dot_products(dots);
+      SCOPED_TRACE("Dv " + std::to_string(Dv) + (dots ? ", dot products where the CPU has them" : ", float path"));
+      Tensor q(DType::kF32, {1, G, 1, Dk}), out(DType::kF32, {1, G, 1, Dv});
+      for (int64_t t0 = 0; t0 < L; t0 += G) {
+        for (int64_t h = 0; h < G; ++h)
+          for (int64_t e = 0; e < Dk; ++e)
+            q.view<float>().at(0, h, 0, e) = 100.0f * keys.view<float>().at(0, 0, std::min(t0 + h, L - 1), e);
+        attend(q.view<float>(), cache, out.view<float>());
+        for (int64_t h = 0; h < G; ++h)
+          for (int64_t e = 0; e < Dv; ++e)
+            ASSERT_EQ(out.view<float>().at(0, h, 0, e), v.view<float>().at(0, 0, std::min(t0 + h, L - 1), e))
+                << "target key " << std::min(t0 + h, L - 1) << ", column " << e;
+      }
+      std::fill(q.data<float>(), q.data<float>() + q.numel(), 0.0f);
+      attend(q.view<float>(), cache, out.view<float>());
+      for (int64_t e = 0; e < Dv; ++e) {
+        double sum = 0;
+        for (int64_t t = 0; t < L; ++t) sum += v.view<float>().at(0, 0, t, e);
+        for (int64_t h = 0; h < G; ++h)
+          ASSERT_EQ(out.view<float>().at(0, h, 0, e), static_cast<float>(sum / L)) << "column " << e;
+      }
+    }
+    kernels::allow_decode_dot_products(true);
+  }
+}
+
 // The error of decoding from a quantized cache against a float32 cache of the same keys and
 // values: GQA 4:1, D = 128, 1024 positions, 64 query rows per case; per-row relative error
 // ‖o − o32‖ / ‖o32‖, its 99th percentile. Keys random, or with 4 outlier channels 20× larger
