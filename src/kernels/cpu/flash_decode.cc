@@ -462,14 +462,20 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
 #if MHA_DECODE_DOTS
     if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
-      if (pairs) {  // int4 values with bfloat16 dot products (Int4Output)
-        PairWeights(s, R, block, pw);
-        for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
-          const size_t nc = std::min(kOutVecs * N, Dv - c0);
-          ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
-            const KeyRange prefetch = r0 == 0 && c0 == 0 ? KeyRange{j0 + ahead_keys, ub} : KeyRange{0, 0};
+      if (pairs) PairWeights(s, R, block, pw);  // int4 values with bfloat16 dot products (Int4Output)
+    }
+#endif
+    for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
+      const size_t nc = std::min(kOutVecs * N, Dv - c0);
+      ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
+        float* oc = o + r0 * dvp + c0;
+        const float* pr = s + r0 * block;
+        // The next block's value rows, one per key of the first pass over this block's.
+        const KeyRange prefetch = r0 == 0 && c0 == 0 ? KeyRange{j0 + ahead_keys, ub} : KeyRange{0, 0};
+#if MHA_DECODE_DOTS
+        if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
+          if (pairs) {
             const uint32_t* w = pw + r0 * block / 2;
-            float* oc = o + r0 * dvp + c0;
             const size_t ju = static_cast<size_t>(jn);
             switch (rg) {
 #define MHA_INT4_OUTPUT(RG) Int4OutputCols<RG>(w, block / 2, kv, vrows, c0, nc, ju, alpha + r0, oc, dvp, prefetch)
@@ -481,19 +487,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
               default: MHA_INT4_OUTPUT(kRowGroup); break;
 #undef MHA_INT4_OUTPUT
             }
-          });
+            return;
+          }
         }
-        continue;
-      }
-    }
 #endif
-    for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
-      const size_t nc = std::min(kOutVecs * N, Dv - c0);
-      ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
-        float* oc = o + r0 * dvp + c0;
-        const float* pr = s + r0 * block;
-        // The next block's value rows, one per key of the first pass over this block's.
-        const KeyRange prefetch = r0 == 0 && c0 == 0 ? KeyRange{j0 + ahead_keys, ub} : KeyRange{0, 0};
         switch (rg) {
           case 1: DecodeOutputCols<1>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
 #if HWY_TARGET <= HWY_AVX3
