@@ -43,7 +43,8 @@ struct AttentionParams {
   const int64_t* k_outliers = nullptr;  Strides4 k_outlier_stride{};
   // Internal (paged KV caches, decode kernel only): if block_table is set, key and value j of
   // batch b are row j & (2^page_shift − 1) of pool page block_table[b · block_table_stride +
-  // (j >> page_shift)]; k_stride[0], v_stride[0] and the scale strides' [0] step between pages.
+  // (j >> page_shift)]; k_stride[0], v_stride[0] and the scale strides' [0] step between pages, [1]
+  // between kv heads.
   const int64_t* block_table = nullptr;
   int64_t block_table_stride = 0;
   int page_shift = 0;

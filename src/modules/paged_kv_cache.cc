@@ -37,9 +37,16 @@ PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
 void PagedKvCache::grow(int64_t pages) {
   const auto& c = config_;
   const DType et = element_type(c.dtype);
+  // Head-major planes (Hkv, pages, page_size, width): pages keep their numbers, each head's
+  // pages move to the front of its bigger plane.
   auto plane = [&](Tensor& t, DType type, int64_t width) {
-    Tensor n(type, {pages, c.kv_heads, c.page_size, width});
-    if (pages_ > 0) std::memcpy(n.raw(), t.raw(), t.nbytes());  // pages keep their numbers
+    Tensor n(type, {c.kv_heads, pages, c.page_size, width});
+    if (pages_ > 0) {
+      const size_t head = t.nbytes() / static_cast<size_t>(c.kv_heads);
+      for (int64_t h = 0; h < c.kv_heads; ++h)
+        std::memcpy(static_cast<std::byte*>(n.raw()) + h * (n.nbytes() / static_cast<size_t>(c.kv_heads)),
+                    static_cast<const std::byte*>(t.raw()) + h * head, head);
+    }
     t = std::move(n);
   };
   plane(k_, et, row_elements(c.dtype, c.head_dim_qk));
@@ -71,11 +78,12 @@ void PagedKvCache::release_page(int64_t page) {
 }
 
 void PagedKvCache::copy_page(int64_t from, int64_t to) {
+  const int64_t H = config_.kv_heads;
   for (Tensor* t : {&k_, &v_, &k_scales_, &v_scales_}) {
     if (!t->defined()) continue;
-    const size_t bytes = t->nbytes() / static_cast<size_t>(pages_);
-    std::memcpy(static_cast<std::byte*>(t->raw()) + to * bytes, static_cast<const std::byte*>(t->raw()) + from * bytes,
-                bytes);
+    const size_t bytes = t->nbytes() / static_cast<size_t>(pages_ * H);  // one head's page
+    auto* base = static_cast<std::byte*>(t->raw());
+    for (int64_t h = 0; h < H; ++h) std::memcpy(base + (h * pages_ + to) * bytes, base + (h * pages_ + from) * bytes, bytes);
   }
 }
 
@@ -193,7 +201,7 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = s.length + t;
       const int64_t page = s.table[pos / P - s.first_page];
-      const int64_t row = (page * c.kv_heads + h) * P + pos % P;
+      const int64_t row = (h * pages_ + page) * P + pos % P;
       const float* key = k.data + h * k.stride[0] + t * k.stride[1];
       if (bits)  // pages are whole key tiles (page_size a multiple of kCacheKeyTile)
         write_key_row(key, k.stride[2], c.head_dim_qk, c.dtype, inv.data(), s.outliers.data() + h * kCacheKeyOutliers,
@@ -225,7 +233,7 @@ Tensor PagedKvCache::as_float(int64_t id, bool keys) const {
   Tensor out(DType::kF32, {c.kv_heads, s.length - first, D});
   for (int64_t h = 0; h < c.kv_heads; ++h)
     for (int64_t pos = first; pos < s.length; ++pos) {
-      const int64_t row = (s.table[pos / P - s.first_page] * c.kv_heads + h) * P + pos % P;
+      const int64_t row = (h * pages_ + s.table[pos / P - s.first_page]) * P + pos % P;
       float* dst = out.data<float>() + (h * (s.length - first) + pos - first) * D;
       if (keys && scales.defined())
         read_key_row(data.data<uint8_t>(), scales.data<float>(), row, s.channels.data() + h * D,

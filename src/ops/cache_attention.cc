@@ -92,16 +92,18 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
   const Tensor& vp = cache.value_pool();
   p.k = kp.raw();
   p.v = vp.raw();
-  p.k_stride = {c.kv_heads * P * kp.shape()[3], P * kp.shape()[3], kp.shape()[3], 1};
-  p.v_stride = {c.kv_heads * P * vp.shape()[3], P * vp.shape()[3], vp.shape()[3], 1};
+  // Head-major pools (Hkv, pages, page_size, width): stride[0] steps a page, stride[1] a head.
+  const int64_t pages = cache.pages();
+  p.k_stride = {P * kp.shape()[3], pages * P * kp.shape()[3], kp.shape()[3], 1};
+  p.v_stride = {P * vp.shape()[3], pages * P * vp.shape()[3], vp.shape()[3], 1};
   if (quantized) {
     const Tensor& ks = cache.key_scale_pool();
     const Tensor& vs = cache.value_scale_pool();
     p.kv_bits = kv_storage::quant_bits(c.dtype);
     p.k_scales = ks.data<float>();
     p.v_scales = vs.data<float>();
-    p.k_scale_stride = {c.kv_heads * P * ks.shape()[3], P * ks.shape()[3], ks.shape()[3], 1};
-    p.v_scale_stride = {c.kv_heads * P * vs.shape()[3], P * vs.shape()[3], vs.shape()[3], 1};
+    p.k_scale_stride = {P * ks.shape()[3], pages * P * ks.shape()[3], ks.shape()[3], 1};
+    p.v_scale_stride = {P * vs.shape()[3], pages * P * vs.shape()[3], vs.shape()[3], 1};
     p.k_channel_scales = channels.data();
     p.k_channel_stride = {c.kv_heads * c.head_dim_qk, c.head_dim_qk, 1, 0};
     p.k_outliers = outliers.data();
