@@ -119,33 +119,51 @@ float read_portable(const float* a, size_t n) {
 
 }  // namespace
 
-Bandwidth measure_bandwidth(int threads) {
-  const size_t n = (size_t{256} << 20) / sizeof(float);
-  std::vector<float> a(n, 1.0f), b(n, 2.0f), c(n, 3.0f);
+namespace {
+
+// Seconds of one read sweep of `threads` threads over a[0, n), each thread summing its share.
+double read_sweep(const float* a, size_t n, int threads) {
   float (*read)(const float*, size_t) = read_portable;
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx512f")) read = read_avx512;
 #endif
+  float sum = 0;
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sum)
+  {
+    const size_t parts = static_cast<size_t>(omp_get_num_threads()), me = static_cast<size_t>(omp_get_thread_num());
+    const size_t chunk = (n / parts) / 64 * 64;
+    sum += read(a + me * chunk, me + 1 == parts ? n - me * chunk : chunk);
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float keep = sum;  // the sums must be computed
+  (void)keep;
+  return s;
+}
+
+constexpr size_t kSweepFloats = (size_t{256} << 20) / sizeof(float);
+
+}  // namespace
+
+Bandwidth measure_bandwidth(int threads) {
+  const size_t n = kSweepFloats;
+  std::vector<float> a(n, 1.0f), b(n, 2.0f), c(n, 3.0f);
   Bandwidth best{0, 0};
   for (int rep = 0; rep < 5; ++rep) {
-    float sum = 0;
-    auto start = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : sum)
-    {
-      const size_t parts = static_cast<size_t>(omp_get_num_threads()), me = static_cast<size_t>(omp_get_thread_num());
-      const size_t chunk = (n / parts) / 64 * 64;
-      sum += read(a.data() + me * chunk, me + 1 == parts ? n - me * chunk : chunk);
-    }
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best.read = std::max(best.read, n * sizeof(float) / s / 1e9);
-    start = std::chrono::steady_clock::now();
+    best.read = std::max(best.read, n * sizeof(float) / read_sweep(a.data(), n, threads) / 1e9);
+    const auto start = std::chrono::steady_clock::now();
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (size_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
-    s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     best.triad = std::max(best.triad, 3.0 * n * sizeof(float) / s / 1e9);
-    if (sum == 0.5f) best.read += 0;  // keep the sum alive
   }
   return best;
+}
+
+ReadProbe::ReadProbe(int threads) : threads_(threads), a_(kSweepFloats, 1.0f) {}
+
+double ReadProbe::gbps() const {
+  return static_cast<double>(a_.size() * sizeof(float)) / read_sweep(a_.data(), a_.size(), threads_) / 1e9;
 }
 
 }  // namespace mha::bench

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <numeric>
 
 #include "mha/attention.h"
 #include "mha/kv_cache.h"
@@ -224,9 +225,41 @@ void run_decode(const Options& o, const Peer* peer) {
 
 namespace {
 
+// The median seconds of f's calls, as time_calls, and with a probe the median GB/s of read
+// sweeps taken one before each call: the machine's read bandwidth at the same moments.
+struct Timed {
+  double seconds;
+  double read_gbps;  // 0 without a probe
+};
+Timed time_calls_alongside(const std::function<void()>& f, const ReadProbe* probe, double seconds) {
+  if (!probe) return {time_calls(f, seconds), 0.0};
+  f();  // warm-up
+  std::vector<double> t, r;
+  double total = 0;
+  while (total < seconds || t.size() < 3) {
+    r.push_back(probe->gbps());
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    total += t.back();
+  }
+  std::sort(t.begin(), t.end());
+  std::sort(r.begin(), r.end());
+  return {t[t.size() / 2], r[r.size() / 2]};
+}
+
+// Values in [-1, 1) from a 64-bit LCG: quantization sees ordinary data.
+void fill_uniform(Tensor& t, uint64_t& x) {
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    t.data<float>()[i] = static_cast<float>(static_cast<double>(x >> 40) / (1 << 23) - 1.0);
+  }
+}
+
 // One decoding step (32 query heads, one new token) over a KvCache of `type` holding L
 // positions of GQA 32/8, D = 128: attend() reads the cache in its stored format.
-double time_cache_decode(CacheType type, int64_t L, int threads, double seconds, int64_t* bytes) {
+Timed time_cache_decode(CacheType type, int64_t L, int threads, double seconds, const ReadProbe* probe,
+                        int64_t* bytes) {
   KvCacheConfig c;
   c.kv_heads = 8;
   c.head_dim_qk = c.head_dim_v = 128;
@@ -234,24 +267,25 @@ double time_cache_decode(CacheType type, int64_t L, int threads, double seconds,
   c.dtype = type;
   KvCache cache(c);
   Tensor k(DType::kF32, {1, 8, L, 128}), v(DType::kF32, {1, 8, L, 128});
-  uint64_t x = 12345;  // values in [-1, 1): quantization sees ordinary data
-  for (Tensor* t : {&k, &v})
-    for (int64_t i = 0; i < t->numel(); ++i) {
-      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-      t->data<float>()[i] = static_cast<float>(static_cast<double>(x >> 40) / (1 << 23) - 1.0);
-    }
+  uint64_t x = 12345;
+  fill_uniform(k, x);
+  fill_uniform(v, x);
   cache.append(k.view<float>(), v.view<float>());
   *bytes = cache.nbytes();
   const Tensor q = filled({1, 32, 1, 128}, 0.5f);
   Tensor out(DType::kF32, {1, 32, 1, 128});
   AttentionOptions opt;
   opt.num_threads = threads;
-  return time_calls([&] { attend(q.view<float>(), cache, out.view<float>(), opt); }, seconds);
+  return time_calls_alongside([&] { attend(q.view<float>(), cache, out.view<float>(), opt); }, probe, seconds);
 }
 
 // One batched decoding step over 16 sequences of a paged pool, lengths spread over 100 .. 8000
-// (GQA 32/8, D = 128, pages of 64): the bytes of the pages read, in *bytes.
-double time_paged_decode(CacheType type, int threads, double seconds, int64_t* bytes) {
+// (GQA 32/8, D = 128, pages of 64): the bytes of the pages read, in *bytes. Each sequence is
+// appended whole (a prefill: its pages are taken one after another), or, `interleaved`, 64
+// positions at a time in turn (as decoding grows them: each sequence's pages alternate with the
+// others').
+Timed time_paged_decode(CacheType type, bool interleaved, int threads, double seconds, const ReadProbe* probe,
+                        int64_t* bytes) {
   PagedKvCacheConfig c;
   c.kv_heads = 8;
   c.head_dim_qk = c.head_dim_v = 128;
@@ -259,39 +293,44 @@ double time_paged_decode(CacheType type, int threads, double seconds, int64_t* b
   c.pages = 1024;
   c.dtype = type;
   PagedKvCache cache(c);
-  std::vector<int64_t> ids;
-  uint64_t x = 12345;
-  int64_t positions = 0;
+  std::vector<int64_t> ids, lengths;
   for (int s = 0; s < 16; ++s) {
-    const int64_t L = 100 + (7900 * static_cast<int64_t>((s * 7) % 16)) / 15;  // 100 .. 8000, shuffled
-    Tensor k(DType::kF32, {8, L, 128}), v(DType::kF32, {8, L, 128});
-    for (Tensor* t : {&k, &v})
-      for (int64_t i = 0; i < t->numel(); ++i) {
-        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-        t->data<float>()[i] = static_cast<float>(static_cast<double>(x >> 40) / (1 << 23) - 1.0);
-      }
     ids.push_back(cache.add_sequence());
-    cache.append(ids.back(), k.view<float>(), v.view<float>());
-    positions += L;
+    lengths.push_back(100 + (7900 * static_cast<int64_t>((s * 7) % 16)) / 15);  // 100 .. 8000, shuffled
   }
+  uint64_t x = 12345;
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  const int64_t step = interleaved ? c.page_size : longest;
+  for (int64_t at = 0; at < longest; at += step) {
+    for (size_t s = 0; s < ids.size(); ++s) {
+      const int64_t n = std::min(step, lengths[s] - at);
+      if (n <= 0) continue;
+      Tensor k(DType::kF32, {8, n, 128}), v(DType::kF32, {8, n, 128});
+      fill_uniform(k, x);
+      fill_uniform(v, x);
+      cache.append(ids[s], k.view<float>(), v.view<float>());
+    }
+  }
+  const int64_t positions = std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
   *bytes = static_cast<int64_t>(static_cast<double>(cache.nbytes()) * static_cast<double>(positions) /
                                 static_cast<double>(cache.pages() * c.page_size));
   const Tensor q = filled({16, 32, 1, 128}, 0.5f);
   Tensor out(DType::kF32, {16, 32, 1, 128});
   AttentionOptions opt;
   opt.num_threads = threads;
-  return time_calls([&] { attend(q.view<float>(), cache, ids, out.view<float>(), opt); }, seconds);
+  return time_calls_alongside([&] { attend(q.view<float>(), cache, ids, out.view<float>(), opt); }, probe, seconds);
 }
 
 }  // namespace
 
 void run_cache_types(const Options& o) {
   const Bandwidth bw = measure_bandwidth(o.threads);
+  const ReadProbe probe(o.threads);
   const CacheType types[] = {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8, CacheType::kInt4};
   struct Row {
-    int64_t L;
+    std::string name;  // "L = ...", "paged", "interleaved"
     CacheType type;
-    double seconds;
+    Timed time;
     int64_t bytes;
   };
   std::vector<Row> rows;
@@ -300,31 +339,40 @@ void run_cache_types(const Options& o) {
     for (CacheType t : types) {
       std::fprintf(stderr, "cache %s, L = %ld ...\n", cache_type_name(t), static_cast<long>(L));
       int64_t bytes = 0;
-      const double s = time_cache_decode(t, L, o.threads, o.seconds, &bytes);
-      rows.push_back({L, t, s, bytes});
+      // A 16 MiB cache is partly in L3 from call to call; a read sweep between calls would evict it.
+      const Timed time = time_cache_decode(t, L, o.threads, o.seconds, mib > 16 ? &probe : nullptr, &bytes);
+      rows.push_back({std::to_string(L), t, time, bytes});
     }
   }
-  for (CacheType t : types) {  // L = 0 marks the paged rows
-    std::fprintf(stderr, "paged cache %s, 16 sequences ...\n", cache_type_name(t));
-    int64_t bytes = 0;
-    const double s = time_paged_decode(t, o.threads, o.seconds, &bytes);
-    rows.push_back({0, t, s, bytes});
+  for (bool interleaved : {false, true}) {
+    for (CacheType t : types) {
+      std::fprintf(stderr, "paged cache %s, 16 sequences%s ...\n", cache_type_name(t), interleaved ? ", interleaved" : "");
+      int64_t bytes = 0;
+      const Timed time = time_paged_decode(t, interleaved, o.threads, o.seconds, &probe, &bytes);
+      rows.push_back({interleaved ? "interleaved" : "paged", t, time, bytes});
+    }
   }
   const Bandwidth after = measure_bandwidth(o.threads);
   const double read = std::max(bw.read, after.read);
-  fmt::print("\nthreads {}, measured read bandwidth {:.1f} GB/s; decode step over a KvCache, GQA 32/8, D = 128\n",
+  fmt::print("\nthreads {}, measured read bandwidth {:.1f} GB/s (best sweep before and after); decode step over a "
+             "KvCache, GQA 32/8, D = 128\n",
              o.threads, read);
-  fmt::print("{:<9} {:>7} {:>10} {:>10} {:>8} {:>7} {:>8}\n", "cache", "L", "MiB read", "ms", "GB/s", "% read",
-             "× fp32");
+  fmt::print("{:<9} {:>11} {:>9} {:>9} {:>7} {:>7} {:>10} {:>9} {:>7}\n", "cache", "L", "MiB read", "ms", "GB/s",
+             "% read", "sweep GB/s", "% sweep", "× fp32");
   double f32 = 0;
   for (const Row& r : rows) {
-    if (r.type == CacheType::kF32) f32 = r.seconds;
-    const double gb = static_cast<double>(r.bytes) / r.seconds / 1e9;
-    fmt::print("{:<9} {:>7} {:>10.1f} {:>10.3f} {:>8.1f} {:>6.1f}% {:>7.2f}x\n", cache_type_name(r.type),
-               r.L > 0 ? std::to_string(r.L) : std::string("paged"), static_cast<double>(r.bytes) / (1 << 20),
-               r.seconds * 1e3, gb, 100 * gb / read, r.seconds / f32);
+    if (r.type == CacheType::kF32) f32 = r.time.seconds;
+    const double gb = static_cast<double>(r.bytes) / r.time.seconds / 1e9;
+    const std::string sweep = r.time.read_gbps > 0 ? fmt::format("{:.1f}", r.time.read_gbps) : "-";
+    const std::string share = r.time.read_gbps > 0 ? fmt::format("{:.1f}%", 100 * gb / r.time.read_gbps) : "-";
+    fmt::print("{:<9} {:>11} {:>9.1f} {:>9.3f} {:>7.1f} {:>6.1f}% {:>10} {:>9} {:>6.2f}x\n", cache_type_name(r.type), r.name,
+               static_cast<double>(r.bytes) / (1 << 20), r.time.seconds * 1e3, gb, 100 * gb / read, sweep, share,
+               r.time.seconds / f32);
   }
-  fmt::print("paged: one attend() over 16 sequences of 100 .. 8000 positions in pages of 64; MiB read: their pages\n");
+  fmt::print("paged: one attend() over 16 sequences of 100 .. 8000 positions in pages of 64, each appended whole "
+             "(its pages taken in a row);\ninterleaved: the same, appended 64 positions at a time in turn. MiB read: "
+             "their pages. % read: of the best sweep;\nsweep GB/s: the median of read sweeps taken one before each "
+             "call (the same moments), % sweep: of it\n");
 }
 
 void run_varlen(const Options& o) {

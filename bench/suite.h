@@ -78,6 +78,17 @@ struct Bandwidth {
   double read, triad;
 };
 Bandwidth measure_bandwidth(int threads);
+// The read sweep of measure_bandwidth, one pass at a time, to take alongside a kernel's calls
+// (the same moments of a noisy machine, the same statistic): GB/s of one pass.
+class ReadProbe {
+ public:
+  explicit ReadProbe(int threads);
+  double gbps() const;
+
+ private:
+  int threads_;
+  std::vector<float> a_;
+};
 // The decode step over a KvCache of every storage type (float32 … int4), 16 and 256 MiB of
 // float32-equivalent cache: time, bytes read, share of the read bandwidth, ratio to float32.
 void run_cache_types(const Options& o);
