@@ -346,7 +346,8 @@ void run_cache_types(const Options& o) {
   }
   for (bool interleaved : {false, true}) {
     for (CacheType t : types) {
-      std::fprintf(stderr, "paged cache %s, 16 sequences%s ...\n", cache_type_name(t), interleaved ? ", interleaved" : "");
+      std::fprintf(stderr, "paged cache %s, 16 sequences%s ...\n", cache_type_name(t),
+                   interleaved ? ", interleaved" : "");
       int64_t bytes = 0;
       const Timed time = time_paged_decode(t, interleaved, o.threads, o.seconds, &probe, &bytes);
       rows.push_back({interleaved ? "interleaved" : "paged", t, time, bytes});
@@ -365,9 +366,9 @@ void run_cache_types(const Options& o) {
     const double gb = static_cast<double>(r.bytes) / r.time.seconds / 1e9;
     const std::string sweep = r.time.read_gbps > 0 ? fmt::format("{:.1f}", r.time.read_gbps) : "-";
     const std::string share = r.time.read_gbps > 0 ? fmt::format("{:.1f}%", 100 * gb / r.time.read_gbps) : "-";
-    fmt::print("{:<9} {:>11} {:>9.1f} {:>9.3f} {:>7.1f} {:>6.1f}% {:>10} {:>9} {:>6.2f}x\n", cache_type_name(r.type), r.name,
-               static_cast<double>(r.bytes) / (1 << 20), r.time.seconds * 1e3, gb, 100 * gb / read, sweep, share,
-               r.time.seconds / f32);
+    fmt::print("{:<9} {:>11} {:>9.1f} {:>9.3f} {:>7.1f} {:>6.1f}% {:>10} {:>9} {:>6.2f}x\n", cache_type_name(r.type),
+               r.name, static_cast<double>(r.bytes) / (1 << 20), r.time.seconds * 1e3, gb, 100 * gb / read, sweep,
+               share, r.time.seconds / f32);
   }
   fmt::print("paged: one attend() over 16 sequences of 100 .. 8000 positions in pages of 64, each appended whole "
              "(its pages taken in a row);\ninterleaved: the same, appended 64 positions at a time in turn. MiB read: "

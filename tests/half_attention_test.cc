@@ -188,7 +188,12 @@ void check(const Problem& p) {
   expect_bound(fast.lse, ref.lse, plain32.lse, 0.0, "lse");  // float32 for every dtype
   if (p.weights_rank) expect_bound(fast.weights, ref.weights, plain32.weights, u16, "weights");
   // The fast 16-bit path widens its inputs exactly and runs the float32 tiles: its results are
-  // the float32 fast path's on the widened inputs, rounded once (round to nearest even).
+  // the float32 fast path's on the widened inputs, rounded once (round to nearest even). Not so
+  // the decode kernel's bfloat16 keys with bfloat16 dot products (other sums, the scale applied
+  // after them; the bound above holds them): the bits are checked with the dot products off.
+  kernels::allow_decode_dot_products(false);
+  const Result widened = run_dtype(p, Backend::kFast);
+  kernels::allow_decode_dot_products(true);
   Result fast32 = alloc(p, DType::kF32);
   AttentionOptions fo = p.opt;
   fo.backend = Backend::kFast;
@@ -196,9 +201,13 @@ void check(const Problem& p) {
             {fast32.out.view<float>(), fast32.lse.view<float>(),
              p.weights_rank ? fast32.weights.view<float>() : View<float>()},
             fo);
-  EXPECT_TRUE(bitwise_equal(fast.out, rounded(fast32.out))) << "out is not the rounded float32 result";
-  EXPECT_TRUE(bitwise_equal(fast.lse, fast32.lse)) << "lse differs from the float32 path's";
-  if (p.weights_rank) EXPECT_TRUE(bitwise_equal(fast.weights, rounded(fast32.weights)));
+  EXPECT_TRUE(bitwise_equal(widened.out, rounded(fast32.out))) << "out is not the rounded float32 result";
+  EXPECT_TRUE(bitwise_equal(widened.lse, fast32.lse)) << "lse differs from the float32 path's";
+  if (p.weights_rank) EXPECT_TRUE(bitwise_equal(widened.weights, rounded(fast32.weights)));
+  if (!(p.dtype == DType::kBF16 && kernels::decode_bf16_dots())) {  // then the same path
+    EXPECT_TRUE(bitwise_equal(fast.out, widened.out));
+    EXPECT_TRUE(bitwise_equal(fast.lse, widened.lse));
+  }
   // The 16-bit reference path is the float64 reference rounded once.
   EXPECT_LE(abs_error(ref16.out, ref.out), u16 * std::max(finite_max_abs(ref.out), 1e-30) + 1e-30);
 }
@@ -421,6 +430,78 @@ TEST_P(HalfTest, BackwardIsRoundedFloat32Backward) {
     EXPECT_GT(max_abs(hq.to_f32().view<float>()), 0.0);
     EXPECT_GT(max_abs(hv.to_f32().view<float>()), 0.0);
   }
+}
+
+// The decode kernel's bfloat16 keys scored with vdpbf16ps (AVX-512 BF16) against its float path
+// on the same inputs (dot products off). Both sum the same exact products q_i·k_i in float32 in
+// other orders (the float path scales q first, the dots scale the sum): each score is within
+// (D + 2)·u·scale·Σ_i|q_i·k_i| of the exact one (u = 2^-24), so the two within twice that, δ.
+// lse = log Σ_j exp(s_j) then moves by ≤ δ plus each path's own rounding of the sum of Tk
+// exponentials (≤ (Tk + 8)·u relative apiece); the bfloat16 outputs by one rounding each
+// (2^-8 of |o|) plus ≤ 4δ·max|v|. A wrong mask of the last 32 channels, scale or pairing
+// moves them by orders of magnitude more.
+void expect_dots_near_float_path(const Problem& p) {
+  SCOPED_TRACE(p.describe());
+  const Result dots = run_dtype(p, Backend::kFast);
+  kernels::allow_decode_dot_products(false);
+  const Result plain = run_dtype(p, Backend::kFast);
+  kernels::allow_decode_dot_products(true);
+  const int64_t D = p.D, Tk = p.Tk, G = p.Hq / p.Hkv;
+  const float* q = p.q32.data<float>();
+  const float* k = p.k32.data<float>();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D)), u = kU;
+  double vmax = 0;
+  for (int64_t i = 0; i < p.v32.numel(); ++i) vmax = std::max(vmax, std::fabs(double{p.v32.data<float>()[i]}));
+  for (int64_t h = 0; h < p.Hq; ++h) {  // B = 1, Tq = 1: row h
+    double delta = 0;  // the largest δ of the row's keys
+    for (int64_t j = 0; j < Tk; ++j) {
+      double a = 0;
+      for (int64_t i = 0; i < D; ++i) a += std::fabs(static_cast<double>(q[h * D + i]) * k[((h / G) * Tk + j) * D + i]);
+      delta = std::max(delta, 2 * (D + 2) * u * scale * a);
+    }
+    const double l0 = dots.lse.data<float>()[h], l1 = plain.lse.data<float>()[h];
+    if (!std::isfinite(l1)) {  // NaN stays NaN (a NaN query takes the float path: the same bits)
+      EXPECT_EQ(std::isnan(l0), std::isnan(l1)) << "lse of row " << h << ": " << l0 << " vs " << l1;
+      continue;
+    }
+    EXPECT_LE(std::fabs(l0 - l1), delta + 2 * (Tk + 8) * u * (1 + std::fabs(l1))) << "lse of row " << h;
+    for (int64_t c = 0; c < D; ++c) {
+      const double o0 = dots.out.data<float>()[h * D + c], o1 = plain.out.data<float>()[h * D + c];
+      EXPECT_LE(std::fabs(o0 - o1), (std::fabs(o0) + std::fabs(o1)) / 256 + 4 * delta * vmax + 1e-30)
+          << "out of row " << h << ", column " << c;
+    }
+  }
+}
+
+TEST(HalfDecode, Bf16DotScoresStayWithinFloat32Sums) {
+  if (!kernels::decode_bf16_dots()) GTEST_SKIP() << "this CPU has no AVX-512 BF16: the float path alone runs";
+  Rng rng(base_seed() + 130);
+  for (int64_t D : {8, 20, 32, 33, 64, 100, 128})
+    for (int64_t G : {1, 4, 16})
+      for (int64_t Tk : {1, 15, 17, 129, 300}) {
+        Problem p;
+        p.dtype = DType::kBF16;
+        p.Hkv = 2;
+        p.Hq = 2 * G;
+        p.Tk = Tk;
+        p.D = p.Dv = D;
+        p.opt.causal = Causal::kBottomRight;
+        p.make(rng);
+        expect_dots_near_float_path(p);
+      }
+  // Special values: a NaN query entry (that row takes the float path), an infinite key entry
+  // (the rows of its kv head get an infinite or NaN score, on both paths alike).
+  Problem p;
+  p.Hkv = 2;
+  p.Hq = 8;
+  p.Tk = 40;
+  p.D = p.Dv = 64;
+  p.make(rng);
+  p.q16.data<bfloat16>()[1 * 64 + 5] = to_bfloat16(std::nanf(""));
+  p.k16.data<bfloat16>()[(1 * 40 + 7) * 64 + 3] = to_bfloat16(std::numeric_limits<float>::infinity());
+  p.q32 = p.q16.to_f32();
+  p.k32 = p.k16.to_f32();
+  expect_dots_near_float_path(p);
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, HalfTest,

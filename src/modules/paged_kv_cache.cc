@@ -83,7 +83,8 @@ void PagedKvCache::copy_page(int64_t from, int64_t to) {
     if (!t->defined()) continue;
     const size_t bytes = t->nbytes() / static_cast<size_t>(pages_ * H);  // one head's page
     auto* base = static_cast<std::byte*>(t->raw());
-    for (int64_t h = 0; h < H; ++h) std::memcpy(base + (h * pages_ + to) * bytes, base + (h * pages_ + from) * bytes, bytes);
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(base + (h * pages_ + to) * bytes, base + (h * pages_ + from) * bytes, bytes);
   }
 }
 

@@ -1,7 +1,8 @@
-// The int8/int4 parts of the decode kernel (flash_decode.cc) that read the codes with their
-// own layout: key tiles scored with float FMAs on every target (TileScores) or with 8-bit integer
-// dot products (TileDots, on a query rounded to 16 bits by QueryDots), and an int4 cache's values
-// with bfloat16 dot products (Int4Output, on weights rounded by PairWeights). The dot products
+// The parts of the decode kernel (flash_decode.cc) with dot-product instructions or their own
+// layout: int8/int4 key tiles scored with float FMAs on every target (TileScores) or with 8-bit
+// integer dot products (TileDots, on a query rounded to 16 bits by QueryDots), an int4 cache's
+// values with bfloat16 dot products (Int4Output, on weights rounded by PairWeights), and bfloat16
+// keys with bfloat16 dot products (Bf16Scores, on the query's words from QueryBf16). The dot products
 // are AVX-512 VNNI / BF16 intrinsics in functions compiled for those features on top of the AVX3
 // target's flags (Highway 1.0 has no 8-bit or bfloat16 dot product op; docs/ARCHITECTURE.md); the
 // kernel takes them where the CPU has them (decode_int8_dots(), decode_bf16_dots()):
@@ -16,10 +17,13 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
 #include "kernels/cpu/decode_kv-inl.h"
+#include "kernels/cpu/transpose-inl.h"
+#include "mha/half.h"
 #include "mha/kv_cache.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -228,6 +232,68 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline void PairWeigh
       const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
       _mm512_storeu_si512(pw + r * static_cast<int64_t>(block / 2) + k / 2, reinterpret_cast<__m512i>(p));
     }
+}
+
+// The query rows of Bf16Scores: row r of q (ldq floats, unscaled, zeros past the head dim) as
+// bfloat16, 2 channels to a dword, a row's words at r · ldw (2 · ldw ≥ ldq channels, zeros past
+// ldq). Exact: the kernel meets bfloat16 keys only with a bfloat16 query (p.dtype). False if a
+// value is not finite (the float path then keeps its Inf or NaN).
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline bool QueryBf16(const float* q, size_t ldq, int64_t R,
+                                                                                 uint32_t* qw, size_t ldw) {
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = q + r * static_cast<int64_t>(ldq);
+    for (size_t c = 0; c < 2 * ldw; c += 32) {
+      const __m512 x0 = c < ldq ? _mm512_loadu_ps(x + c) : _mm512_setzero_ps();
+      const __m512 x1 = c + 16 < ldq ? _mm512_loadu_ps(x + c + 16) : _mm512_setzero_ps();
+      // |x| >= inf or unordered: not finite.
+      const __mmask16 bad0 = _mm512_cmp_ps_mask(_mm512_abs_ps(x0), inf, _CMP_NLT_UQ);
+      if (bad0 | _mm512_cmp_ps_mask(_mm512_abs_ps(x1), inf, _CMP_NLT_UQ)) return false;
+      _mm512_storeu_si512(qw + r * static_cast<int64_t>(ldw) + c / 2,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x1, x0)));
+    }
+  }
+  return true;
+}
+
+// S[r][x] for R rows and the N = 16 keys krows[x] of a bfloat16 cache with bfloat16 dot
+// products (AVX-512 BF16, checked at run time): per row, key and 32 channels one vdpbf16ps adds
+// 32 products to 16 float32 lanes (QueryBf16's words against the key's as stored; D % 32
+// channels of a last vector by a masked load), no stage. The products of two bfloat16 are exact
+// in float32; the sums are float32 in another order than the float path's, and the scale
+// multiplies the sums (the query comes unscaled), so the scores are not its bits (docs/numerics.md).
+// vdpbf16ps takes denormal inputs as zero and flushes denormal results.
+template <bool kMasked>
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) HWY_INLINE void Bf16Step(const uint32_t* q,
+                                                                                   const bfloat16* const* krows,
+                                                                                   size_t v, __mmask32 tail,
+                                                                                   __m512* acc) {
+  const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + v * 16));
+  for (size_t x = 0; x < 16; ++x) {
+    const bfloat16* p = krows[x] + v * 32;
+    const __m512i k = kMasked ? _mm512_maskz_loadu_epi16(tail, p) : _mm512_loadu_si512(p);
+    acc[x] = _mm512_dpbf16_ps(acc[x], reinterpret_cast<__m512bh>(k), qv);
+  }
+}
+
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline void Bf16Scores(const uint32_t* qw, size_t ldw,
+                                                                                 int64_t R,
+                                                                                 const bfloat16* const* krows,
+                                                                                 size_t depth, float scale, float* s,
+                                                                                 size_t lds) {
+  const DF d;
+  const size_t full = depth / 32, rest = depth % 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << rest) - 1);
+  for (int64_t r = 0; r < R; ++r) {
+    const uint32_t* q = qw + r * static_cast<int64_t>(ldw);
+    __m512 acc[16];
+    for (size_t x = 0; x < 16; ++x) acc[x] = _mm512_setzero_ps();
+    for (size_t v = 0; v < full; ++v) Bf16Step<false>(q, krows, v, tail, acc);
+    if (rest) Bf16Step<true>(q, krows, full, tail, acc);
+    hn::Vec<DF> sums[16];
+    for (size_t x = 0; x < 16; ++x) sums[x].raw = acc[x];
+    hn::Store(hn::Mul(SumLanesOfEach(d, sums), hn::Set(d, scale)), d, s + r * static_cast<int64_t>(lds));
+  }
 }
 
 #define MHA_DECODE_DOTS 1

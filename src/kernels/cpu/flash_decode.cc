@@ -8,7 +8,7 @@
 //                    broadcast-multiplied into every row's accumulator.
 // Each K/V byte is read from memory once per step; 16-bit K and V are widened and int8/int4
 // cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h; int8/int4 keys by
-// tiles and int4 values with bfloat16 dot products: decode_quant-inl.h). The keys of a
+// tiles, int4 values and bfloat16 keys with bfloat16 dot products: decode_quant-inl.h). The keys of a
 // (batch, kv head) may be cut into S chunks (S depends on the shape alone, never on threads)
 // that run as separate tasks; their partial (O, m, l) are merged in chunk order through their
 // log-sum-exp, so the result has the same bits for any thread count.
@@ -45,8 +45,10 @@ using decode::PlainKv;
 using decode::QuantKv;
 using decode::TileScores;
 #if MHA_DECODE_DOTS
+using decode::Bf16Scores;
 using decode::Int4Output;
 using decode::PairWeights;
+using decode::QueryBf16;
 using decode::QueryDots;
 using decode::TileDots;
 #endif
@@ -206,11 +208,11 @@ HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
   for (size_t r0 = 0; r0 < rows; r0 += kRowGroup) f(r0, std::min(kRowGroup, rows - r0));
 }
 
-// Query row at element q of p.q, times p.scale (then times the keys' channel scales of a
+// Query row at element q of p.q, times `scale` (then times the keys' channel scales of a
 // quantized cache), into dst with zeros from D to ldq. Per element the products of the scalar
 // form, (q·scale)·channel: the same bits.
-HWY_INLINE void LoadQueryRow(DF d, const AttentionParams& p, int64_t q, const float* channel, size_t D, size_t ldq,
-                             float* HWY_RESTRICT dst) {
+HWY_INLINE void LoadQueryRow(DF d, const AttentionParams& p, int64_t q, float scale, const float* channel, size_t D,
+                             size_t ldq, float* HWY_RESTRICT dst) {
   const int64_t stride = p.q_stride[3];
   switch (p.dtype) {
     case DType::kBF16: RowToFloat(static_cast<const bfloat16*>(p.q) + q, stride, D, dst); break;
@@ -222,13 +224,13 @@ HWY_INLINE void LoadQueryRow(DF d, const AttentionParams& p, int64_t q, const fl
   size_t i = 0;
   if (!channel || cstride == 1) {
     for (; i + N <= D; i += N) {
-      auto x = hn::Mul(hn::LoadU(d, dst + i), hn::Set(d, p.scale));
+      auto x = hn::Mul(hn::LoadU(d, dst + i), hn::Set(d, scale));
       if (channel) x = hn::Mul(x, hn::LoadU(d, channel + i));
       hn::StoreU(x, d, dst + i);
     }
   }
   for (; i < D; ++i) {
-    dst[i] *= p.scale;
+    dst[i] *= scale;
     if (channel) dst[i] *= channel[static_cast<int64_t>(i) * cstride];
   }
   std::fill(dst + D, dst + ldq, 0.0f);
@@ -271,9 +273,17 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   // Key tiles: each row's sum of its query entries per group (outlier channels zeroed).
   const size_t groups = ldq / static_cast<size_t>(kCacheQuantGroup);
   float* qsum = Kv::kKeyTiles ? ws.get<float>(Workspace::kDecodeQuerySums, static_cast<size_t>(R) * groups) : nullptr;
+  // bfloat16 keys with bfloat16 dot products where the CPU has them (Bf16Scores): the query rows
+  // come unscaled (the scores are scaled after their sums).
+#if MHA_DECODE_DOTS
+  bool bf16_keys = std::is_same_v<Kv, PlainKv<bfloat16>> && decode_bf16_dots();
+#else
+  constexpr bool bf16_keys = false;
+#endif
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
-    LoadQueryRow(d, p, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2], channel, D, ldq, qs + r * ldq);
+    LoadQueryRow(d, p, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2], bf16_keys ? 1.0f : p.scale, channel,
+                 D, ldq, qs + r * ldq);
     for (size_t x = 0; x < nout; ++x) {
       qo[r * kOut + static_cast<int64_t>(x)] = qs[r * static_cast<int64_t>(ldq) + outliers[x]];
       qs[r * static_cast<int64_t>(ldq) + outliers[x]] = 0.0f;
@@ -307,6 +317,13 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       ql = qh + R * static_cast<int64_t>(ldw);
       dots = QueryDots(d, qs, ldq, R, qh, ql, qscale);
     }
+  }
+  const size_t ldb = (D + 31) / 32 * 16;  // dwords of a query row's bfloat16 pairs
+  uint32_t* qb = bf16_keys ? ws.get<uint32_t>(Workspace::kDecodeQueryWords, static_cast<size_t>(R) * ldb) : nullptr;
+  if (bf16_keys && !QueryBf16(qs, ldq, R, qb, ldb)) {  // a value not finite: the float path, its scaling
+    bf16_keys = false;
+    for (int64_t r = 0; r < R; ++r)
+      for (size_t c = 0; c < D; ++c) qs[r * static_cast<int64_t>(ldq) + c] *= p.scale;
   }
   // int4 values with bfloat16 dot products where the CPU has them (Int4Output).
   const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots();
@@ -403,6 +420,14 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           }
         }
       } else if constexpr (kStage) {
+#if MHA_DECODE_DOTS
+        if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
+          if (bf16_keys) {
+            Bf16Scores(qb, ldb, R, krows, depth, p.scale, s + static_cast<int64_t>(kb * N), block);
+            continue;
+          }
+        }
+#endif
         // Widen or dequantize the N keys once into the stage (L1), which every query row reads.
         for (size_t x = 0; x < N; ++x) kv.Stage(d, krows[x], depth, kstage + x * N, N * N);
         for (int64_t r = 0; r < R; ++r)
