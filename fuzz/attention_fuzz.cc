@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fuzz/fuzz_input.h"
+#include "kernels/cpu/flash.h"
 #include "kernels/ref/attention_ref.h"
 #include "mha/attention.h"
 #include "mha/safetensors.h"
@@ -56,7 +57,9 @@ View<const T> same_layout(const View<const float>& v, const Tensor& t16) {
 }
 
 // 16-bit inputs: the fast path must give, bit for bit, the float32 fast path's results on the
-// widened inputs, rounded once (docs/numerics.md, "16-bit types").
+// widened inputs, rounded once (docs/numerics.md, "16-bit types") — with the decode kernel's
+// dot products off. With them on (bfloat16 keys by vdpbf16ps, sums in another order) Inf and
+// NaN must land in the same places (tests/half_attention_test.cc holds their accuracy).
 template <typename T>
 void check_sixteen_bit(const mha::AttentionInputs& ai, const Tensor& q, const Tensor& k, const Tensor& v,
                        mha::AttentionOptions opt, int weights, int64_t B, int64_t Hq, int64_t Tq, int64_t Tk,
@@ -82,8 +85,26 @@ void check_sixteen_bit(const mha::AttentionInputs& ai, const Tensor& q, const Te
   if (weights) w32 = Tensor(mha::DType::kF32, wshape), w16 = Tensor(t, wshape);
   opt.backend = mha::Backend::kFast;
   mha::attention(wide, {o32.view<float>(), l32.view<float>(), weights ? w32.view<float>() : View<float>()}, opt);
+  mha::kernels::allow_decode_dot_products(false);
   mha::attention(half, mha::BasicAttentionOutputs<T>{o16.view<T>(), l16.view<float>(), weights ? w16.view<T>() : View<T>()},
                  opt);
+  mha::kernels::allow_decode_dot_products(true);
+  Tensor od(t, {B, Hq, Tq, Dv}), ld(mha::DType::kF32, {B, Hq, Tq}), wd;
+  if (weights) wd = Tensor(t, wshape);
+  mha::attention(half, {od.view<T>(), ld.view<float>(), weights ? wd.view<T>() : View<T>()}, opt);
+  auto same_specials = [](const Tensor& a, const Tensor& b) {  // float32 copies: Inf and NaN in the same places
+    const Tensor x = a.to_f32(), y = b.to_f32();
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const float u = x.data<float>()[i], w = y.data<float>()[i];
+      if (std::isnan(u) != std::isnan(w) || (std::isinf(u) || std::isinf(w) ? u != w : false)) return false;
+    }
+    return true;
+  };
+  if (!same_specials(od, o16) || !same_specials(ld, l16) || (weights && !same_specials(wd, w16))) {
+    std::fprintf(stderr, "%s: the decode dot products put Inf or NaN elsewhere (B=%ld Hq=%ld Tq=%ld Tk=%ld Dv=%ld)\n",
+                 mha::dtype_name(t), (long)B, (long)Hq, (long)Tq, (long)Tk, (long)Dv);
+    __builtin_trap();
+  }
   auto same_bits = [](const Tensor& a, const Tensor& b) {
     return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
   };

@@ -502,6 +502,27 @@ TEST(HalfDecode, Bf16DotScoresStayWithinFloat32Sums) {
   p.q32 = p.q16.to_f32();
   p.k32 = p.k16.to_f32();
   expect_dots_near_float_path(p);
+  // Sums past the float range before the scale: q·k = 64 · 1e38 overflows, (q·scale)·k with
+  // scale 1e-30 does not. Those rows take the float path's scores: its bits, finite.
+  Problem big;
+  big.Hkv = 1;
+  big.Hq = 4;
+  big.Tk = 40;
+  big.D = big.Dv = 64;
+  big.opt.scale = 1e-30f;
+  big.make(rng);
+  for (int64_t i = 0; i < big.q16.numel(); ++i) big.q16.data<bfloat16>()[i] = to_bfloat16(1e19f);
+  for (int64_t i = 0; i < big.k16.numel(); ++i)
+    big.k16.data<bfloat16>()[i] = to_bfloat16(i % 3 == 0 ? 1e19f : -1e19f);
+  big.q32 = big.q16.to_f32();
+  big.k32 = big.k16.to_f32();
+  const Result dots = run_dtype(big, Backend::kFast);
+  kernels::allow_decode_dot_products(false);
+  const Result plain = run_dtype(big, Backend::kFast);
+  kernels::allow_decode_dot_products(true);
+  EXPECT_TRUE(bitwise_equal(dots.out, plain.out));
+  EXPECT_TRUE(bitwise_equal(dots.lse, plain.lse));
+  for (int64_t i = 0; i < dots.lse.numel(); ++i) EXPECT_TRUE(std::isfinite(dots.lse.data<float>()[i]));
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, HalfTest,

@@ -22,6 +22,7 @@
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
 #include "kernels/cpu/decode_kv-inl.h"
+#include "kernels/cpu/flash.h"
 #include "kernels/cpu/transpose-inl.h"
 #include "mha/half.h"
 #include "mha/kv_cache.h"
@@ -262,7 +263,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline bool QueryBf16
 // channels of a last vector by a masked load), no stage. The products of two bfloat16 are exact
 // in float32; the sums are float32 in another order than the float path's, and the scale
 // multiplies the sums (the query comes unscaled), so the scores are not its bits (docs/numerics.md).
-// vdpbf16ps takes denormal inputs as zero and flushes denormal results.
+// vdpbf16ps takes denormal inputs as zero and flushes denormal results. Returns the rows (bit r)
+// with a score that is not finite, for the caller to score with the float path.
 template <bool kMasked>
 __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) HWY_INLINE void Bf16Step(const uint32_t* q,
                                                                                    const bfloat16* const* krows,
@@ -276,14 +278,16 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) HWY_INLINE void Bf16S
   }
 }
 
-__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline void Bf16Scores(const uint32_t* qw, size_t ldw,
-                                                                                 int64_t R,
-                                                                                 const bfloat16* const* krows,
-                                                                                 size_t depth, float scale, float* s,
-                                                                                 size_t lds) {
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline uint32_t Bf16Scores(const uint32_t* qw,
+                                                                                     size_t ldw, int64_t R,
+                                                                                     const bfloat16* const* krows,
+                                                                                     size_t depth, float scale,
+                                                                                     float* s, size_t lds) {
+  static_assert(kMaxDecodeRows <= 32, "a bit per row");
   const DF d;
   const size_t full = depth / 32, rest = depth % 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << rest) - 1);
+  uint32_t bad = 0;
   for (int64_t r = 0; r < R; ++r) {
     const uint32_t* q = qw + r * static_cast<int64_t>(ldw);
     __m512 acc[16];
@@ -292,8 +296,11 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline void Bf16Score
     if (rest) Bf16Step<true>(q, krows, full, tail, acc);
     hn::Vec<DF> sums[16];
     for (size_t x = 0; x < 16; ++x) sums[x].raw = acc[x];
-    hn::Store(hn::Mul(SumLanesOfEach(d, sums), hn::Set(d, scale)), d, s + r * static_cast<int64_t>(lds));
+    const auto scores = hn::Mul(SumLanesOfEach(d, sums), hn::Set(d, scale));
+    hn::Store(scores, d, s + r * static_cast<int64_t>(lds));
+    if (!hn::AllTrue(d, hn::IsFinite(scores))) bad |= uint32_t{1} << r;
   }
+  return bad;
 }
 
 #define MHA_DECODE_DOTS 1

@@ -274,7 +274,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const size_t groups = ldq / static_cast<size_t>(kCacheQuantGroup);
   float* qsum = Kv::kKeyTiles ? ws.get<float>(Workspace::kDecodeQuerySums, static_cast<size_t>(R) * groups) : nullptr;
   // bfloat16 keys with bfloat16 dot products where the CPU has them (Bf16Scores): the query rows
-  // come unscaled (the scores are scaled after their sums).
+  // are loaded unscaled for QueryBf16 (the scores are scaled after their sums), then scaled in
+  // place for the float path (the same products as LoadQueryRow's: the same bits).
 #if MHA_DECODE_DOTS
   bool bf16_keys = std::is_same_v<Kv, PlainKv<bfloat16>> && decode_bf16_dots();
 #else
@@ -320,8 +321,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   }
   const size_t ldb = (D + 31) / 32 * 16;  // dwords of a query row's bfloat16 pairs
   uint32_t* qb = bf16_keys ? ws.get<uint32_t>(Workspace::kDecodeQueryWords, static_cast<size_t>(R) * ldb) : nullptr;
-  if (bf16_keys && !QueryBf16(qs, ldq, R, qb, ldb)) {  // a value not finite: the float path, its scaling
-    bf16_keys = false;
+  if (bf16_keys) {
+    bf16_keys = QueryBf16(qs, ldq, R, qb, ldb);  // false: a value not finite, the float path throughout
     for (int64_t r = 0; r < R; ++r)
       for (size_t c = 0; c < D; ++c) qs[r * static_cast<int64_t>(ldq) + c] *= p.scale;
   }
@@ -423,7 +424,15 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 #if MHA_DECODE_DOTS
         if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
           if (bf16_keys) {
-            Bf16Scores(qb, ldb, R, krows, depth, p.scale, s + static_cast<int64_t>(kb * N), block);
+            // Rows with a score that is not finite (an Inf or NaN key, a sum past the float range)
+            // take the float path's scores for these keys: Inf and NaN land where they land there.
+            uint32_t redo = Bf16Scores(qb, ldb, R, krows, depth, p.scale, s + static_cast<int64_t>(kb * N), block);
+            for (int64_t r = 0; redo != 0; ++r, redo >>= 1) {
+              if (!(redo & 1)) continue;
+              const auto sc = tail ? DotScores<true>(d, qs + r * ldq, kv, krows, depth)
+                                   : DotScores<false>(d, qs + r * ldq, kv, krows, depth);
+              hn::Store(sc, d, s + r * block + kb * N);
+            }
             continue;
           }
         }
