@@ -44,19 +44,35 @@ double ModuleCase::flops() const {
 
 double DecodeCase::bytes() const { return 2.0 * B * Hkv * static_cast<double>(L) * D * sizeof(float); }
 
-double time_calls(const std::function<void()>& f, double seconds) {
-  f();  // warm-up: workspaces, caches, thread pool
-  std::vector<double> t;
+namespace {
+
+// The median seconds of f's calls (after a warm-up call: workspaces, caches, thread pool; at
+// least 3 calls and `seconds` of them), and with a probe the median GB/s of read sweeps taken
+// one before each call: the machine's read bandwidth at the same moments.
+struct Timed {
+  double seconds;
+  double read_gbps;  // 0 without a probe
+};
+Timed time_calls_alongside(const std::function<void()>& f, const ReadProbe* probe, double seconds) {
+  f();
+  std::vector<double> t, r;
   double total = 0;
   while (total < seconds || t.size() < 3) {
+    if (probe) r.push_back(probe->gbps());
     const auto start = std::chrono::steady_clock::now();
     f();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    t.push_back(s);
-    total += s;
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    total += t.back();
   }
   std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  std::sort(r.begin(), r.end());
+  return {t[t.size() / 2], probe ? r[r.size() / 2] : 0.0};
+}
+
+}  // namespace
+
+double time_calls(const std::function<void()>& f, double seconds) {
+  return time_calls_alongside(f, nullptr, seconds).seconds;
 }
 
 std::vector<AttentionCase> standard_attention_cases() {
@@ -224,29 +240,6 @@ void run_decode(const Options& o, const Peer* peer) {
 }
 
 namespace {
-
-// The median seconds of f's calls, as time_calls, and with a probe the median GB/s of read
-// sweeps taken one before each call: the machine's read bandwidth at the same moments.
-struct Timed {
-  double seconds;
-  double read_gbps;  // 0 without a probe
-};
-Timed time_calls_alongside(const std::function<void()>& f, const ReadProbe* probe, double seconds) {
-  if (!probe) return {time_calls(f, seconds), 0.0};
-  f();  // warm-up
-  std::vector<double> t, r;
-  double total = 0;
-  while (total < seconds || t.size() < 3) {
-    r.push_back(probe->gbps());
-    const auto start = std::chrono::steady_clock::now();
-    f();
-    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    total += t.back();
-  }
-  std::sort(t.begin(), t.end());
-  std::sort(r.begin(), r.end());
-  return {t[t.size() / 2], r[r.size() / 2]};
-}
 
 // Values in [-1, 1) from a 64-bit LCG: quantization sees ordinary data.
 void fill_uniform(Tensor& t, uint64_t& x) {

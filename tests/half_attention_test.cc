@@ -138,6 +138,14 @@ Result run_dtype(const Problem& p, Backend backend, int threads = 0) {
   return p.dtype == DType::kBF16 ? run16<bfloat16>(p, backend, threads) : run16<float16>(p, backend, threads);
 }
 
+// The fast path with the decode kernel's dot products off (bfloat16 keys widened, as float32).
+Result run_dots_off(const Problem& p) {
+  kernels::allow_decode_dot_products(false);
+  Result r = run_dtype(p, Backend::kFast);
+  kernels::allow_decode_dot_products(true);
+  return r;
+}
+
 // On the widened inputs: the float64 reference (Acc = double) or plain float32 (Acc = float).
 template <typename Acc>
 Result run32(const Problem& p) {
@@ -191,9 +199,7 @@ void check(const Problem& p) {
   // the float32 fast path's on the widened inputs, rounded once (round to nearest even). Not so
   // the decode kernel's bfloat16 keys with bfloat16 dot products (other sums, the scale applied
   // after them; the bound above holds them): the bits are checked with the dot products off.
-  kernels::allow_decode_dot_products(false);
-  const Result widened = run_dtype(p, Backend::kFast);
-  kernels::allow_decode_dot_products(true);
+  const Result widened = run_dots_off(p);
   Result fast32 = alloc(p, DType::kF32);
   AttentionOptions fo = p.opt;
   fo.backend = Backend::kFast;
@@ -442,10 +448,7 @@ TEST_P(HalfTest, BackwardIsRoundedFloat32Backward) {
 // moves them by orders of magnitude more.
 void expect_dots_near_float_path(const Problem& p) {
   SCOPED_TRACE(p.describe());
-  const Result dots = run_dtype(p, Backend::kFast);
-  kernels::allow_decode_dot_products(false);
-  const Result plain = run_dtype(p, Backend::kFast);
-  kernels::allow_decode_dot_products(true);
+  const Result dots = run_dtype(p, Backend::kFast), plain = run_dots_off(p);
   const int64_t D = p.D, Tk = p.Tk, G = p.Hq / p.Hkv;
   const float* q = p.q32.data<float>();
   const float* k = p.k32.data<float>();
@@ -516,10 +519,7 @@ TEST(HalfDecode, Bf16DotScoresStayWithinFloat32Sums) {
     big.k16.data<bfloat16>()[i] = to_bfloat16(i % 3 == 0 ? 1e19f : -1e19f);
   big.q32 = big.q16.to_f32();
   big.k32 = big.k16.to_f32();
-  const Result dots = run_dtype(big, Backend::kFast);
-  kernels::allow_decode_dot_products(false);
-  const Result plain = run_dtype(big, Backend::kFast);
-  kernels::allow_decode_dot_products(true);
+  const Result dots = run_dtype(big, Backend::kFast), plain = run_dots_off(big);
   EXPECT_TRUE(bitwise_equal(dots.out, plain.out));
   EXPECT_TRUE(bitwise_equal(dots.lse, plain.lse));
   for (int64_t i = 0; i < dots.lse.numel(); ++i) EXPECT_TRUE(std::isfinite(dots.lse.data<float>()[i]));
