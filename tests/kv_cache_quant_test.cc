@@ -198,9 +198,10 @@ TEST_P(KvCacheQuant, NonFiniteValuesMakeTheirGroupNaN) {
 }
 
 // A query row with a NaN or an infinity gives NaN in its own output row only, whether or not the
-// kernel rounds queries to 16 bits for integer dot products (a non-finite row turns them off for
+// kernel rounds queries to integers for integer dot products (a non-finite row turns them off for
 // its kv head: the other rows then take the float path, within the dot products' bound of the
-// clean call, docs/numerics.md).
+// clean call, docs/numerics.md: 2^-12 for int8 keys' 16-bit query, 256× that for int4 keys' 8-bit
+// query, whose rounding step is 256× as large).
 TEST_P(KvCacheQuant, NonFiniteQueriesReachOnlyTheirRows) {
   KvCacheConfig c;
   c.batch = 1;
@@ -225,7 +226,8 @@ TEST_P(KvCacheQuant, NonFiniteQueriesReachOnlyTheirRows) {
       diff += (x - want) * (x - want);
       norm += want * want;
     }
-    if (h == 0 || h == 3) EXPECT_LE(std::sqrt(diff), std::sqrt(norm) / (1 << 12)) << h;
+    const bool byte_query = GetParam() == CacheType::kInt4 && kernels::decode_int8_dots();
+    if (h == 0 || h == 3) EXPECT_LE(std::sqrt(diff), std::sqrt(norm) / (byte_query ? 1 << 4 : 1 << 12)) << h;
   }
 }
 
@@ -237,8 +239,10 @@ INSTANTIATE_TEST_SUITE_P(Types, KvCacheQuant, ::testing::Values(CacheType::kInt8
 // + minimum_g·Σ_c q_c): the same terms as the float32 kernel's, rounded in another order, which
 // moves scores by about √32·u of Σ_c |q_c|·(|k_c| + 2|minimum|) (docs/numerics.md); the test allows
 // 64u (measured ≤ 38u over the targets). With 8-bit integer dot products (AVX-512 VNNI) the
-// query is rounded to 16 bits first, which moves scores by ~1e-5 of their scale and the output
-// about as much (measured ≤ 943u = 5.6e-5): those cases allow 2^-12, 4× that. With bfloat16 dot
+// query is rounded to 16 bits first for int8 keys, which moves scores by ~1e-5 of their scale and
+// the output about as much (measured ≤ 943u = 5.6e-5): that case allows 2^-12, 4× that. For int4
+// keys the query is rounded to 8 bits, a step 256× as large: the output moves ~256× as much
+// (measured ≤ 1.8e-2 with the value pass below): that case allows 2^-4, 256 × 2^-12. With bfloat16 dot
 // products (AVX-512 BF16) an int4 cache's values and the weights P are rounded to bfloat16 in the
 // value pass (u = 2^-8 each): a product moves by at most 2^-7 of itself, and norm-wise the output
 // by ~2^-9 (independent roundings; measured ≤ 3.7e-3 = 2^-8.1): that case allows 2^-6.
@@ -264,7 +268,11 @@ class QuantDecode : public ::testing::TestWithParam<KernelCase> {
 TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
   const CacheType type = GetParam().type;
   const bool bf16_values = GetParam().dots && type == CacheType::kInt4 && kernels::decode_bf16_dots();
-  const double bound = bf16_values ? 1.0 / (1 << 6) : GetParam().dots ? 1.0 / (1 << 12) : 64.0 / (1 << 24);
+  const bool byte_query = GetParam().dots && type == CacheType::kInt4 && kernels::decode_int8_dots();
+  const double bound = byte_query    ? 1.0 / (1 << 4)
+                       : bf16_values ? 1.0 / (1 << 6)
+                       : GetParam().dots ? 1.0 / (1 << 12)
+                                         : 64.0 / (1 << 24);
   Rng rng(base_seed() + 802);
   int with_outliers = 0, without = 0;
   double worst_with_outliers = 0, worst = 0;

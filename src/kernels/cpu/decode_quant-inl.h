@@ -1,6 +1,6 @@
 // The parts of the decode kernel (flash_decode.cc) with dot-product instructions or their own
 // layout: int8/int4 key tiles scored with float FMAs on every target (TileScores) or with 8-bit
-// integer dot products (TileDots, on a query rounded to 16 bits by QueryDots), an int4 cache's
+// integer dot products (TileDots, on a query rounded to 16 or 8 bits by QueryDots), an int4 cache's
 // values with bfloat16 dot products (Int4Output, on weights rounded by PairWeights), and bfloat16
 // keys with bfloat16 dot products (Bf16Scores, on the query's words from QueryBf16). The dot products
 // are AVX-512 VNNI / BF16 intrinsics in functions compiled for those features on top of the AVX3
@@ -80,12 +80,13 @@ HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size
 #undef MHA_DECODE_DOTS
 #if HWY_TARGET == HWY_AVX3
 // TileScores with 8-bit integer dot products (AVX-512 VNNI, checked at run time: the AVX3
-// target does not imply it). The query rows come as 16-bit integers q ≈ qscale · (256·h + l), h
-// and l signed bytes, packed 4 channels to a word (qh, ql: a row's words at r · ldw). Per group
-// vpdpbusd sums 4 code × byte products per key into 32-bit lanes, for h and for l; 256·Σh + Σl
-// is exact in int32 (|Σ| ≤ 32 · 255 · 127 · 257 < 2^31), then scaled as in TileScores. The
-// rounding of q to 16 bits moves a score by at most qscale/2 · Σ_c scale_g·code_c
-// (docs/numerics.md). 16 lanes: a tile per vector.
+// target does not imply it). int8 keys meet the query rows as 16-bit integers
+// q ≈ qscale · (256·h + l), h and l signed bytes, packed 4 channels to a word (qh, ql: a row's
+// words at r · ldw): per group vpdpbusd sums 4 code × byte products per key into 32-bit lanes, for
+// h and for l; 256·Σh + Σl is exact in int32 (|Σ| ≤ 32 · 255 · 127 · 257 < 2^31), then scaled as in
+// TileScores. int4 keys meet them as 8-bit integers q ≈ qscale · h (ql unused): half the dot
+// products, and a rounding 15× below the int4 codes' own (docs/numerics.md). Rounding q moves a
+// score by at most qscale/2 · Σ_c scale_g·code_c. 16 lanes: a tile per vector.
 template <int kBits, size_t RT>
 __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
     const uint8_t* codes, const float* scales, size_t groups, const int32_t* qh, const int32_t* ql, size_t ldw,
@@ -111,17 +112,17 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
       } else {  // low nibbles: channels 8w .. 8w + 3 of the group; high nibbles: 8w + 4 .. 8w + 7
         const __m512i lo = _mm512_and_si512(x, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble);
         const size_t qw = g * kGroupWords + 2 * w;
-        for (size_t r = 0; r < RT; ++r) {
+        for (size_t r = 0; r < RT; ++r) {  // low and high nibbles into separate sums: two chains
           sh[r] = _mm512_dpbusd_epi32(sh[r], lo, _mm512_set1_epi32(qh[r * ldw + qw]));
-          sl[r] = _mm512_dpbusd_epi32(sl[r], lo, _mm512_set1_epi32(ql[r * ldw + qw]));
-          sh[r] = _mm512_dpbusd_epi32(sh[r], hi, _mm512_set1_epi32(qh[r * ldw + qw + 1]));
-          sl[r] = _mm512_dpbusd_epi32(sl[r], hi, _mm512_set1_epi32(ql[r * ldw + qw + 1]));
+          sl[r] = _mm512_dpbusd_epi32(sl[r], hi, _mm512_set1_epi32(qh[r * ldw + qw + 1]));
         }
       }
     }
     const __m512 step = _mm512_loadu_ps(scales + 2 * g * kTile), lo = _mm512_loadu_ps(scales + (2 * g + 1) * kTile);
     for (size_t r = 0; r < RT; ++r) {
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh[r], 8), sl[r]));
+      const __m512i high = kBits == 8 ? _mm512_slli_epi32(sh[r], 8) : sh[r];  // int8: 256·Σh + Σl
+      const __m512i sum = _mm512_add_epi32(high, sl[r]);
+      const __m512 dot = _mm512_cvtepi32_ps(sum);
       acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(qsum[r * groups + g]), acc[r]);
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(step, _mm512_set1_ps(qscale[r])), acc[r]);
     }
@@ -133,15 +134,17 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
   }
   for (size_t r = 0; r < RT; ++r) _mm512_storeu_ps(s + r * lds, acc[r]);
 }
-// The query rows of TileDots: row r of q (ldq floats, a multiple of 4) as 16-bit integers
-// 256·h + l ≈ q / qscale[r] (|·| ≤ 127·256, so h ∈ [-127, 127], l ∈ [-128, 127]), h and l packed
-// 4 channels (bytes) to a word. False if a row has a value that is not finite (the float path
-// then keeps its NaN).
-inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, int32_t* qh, int32_t* ql, float* qscale) {
+// The query rows of TileDots: row r of q (ldq floats, a multiple of 4) as integers. wide (int8
+// keys): 16-bit, 256·h + l ≈ q / qscale[r] (|·| ≤ 127·256, so h ∈ [-127, 127], l ∈ [-128, 127]);
+// otherwise (int4 keys) 8-bit, h ≈ q / qscale[r] (|h| ≤ 127), l not written. h and l are packed 4
+// channels (bytes) to a word. False if a row has a value that is not finite (the float path then
+// keeps its NaN).
+inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, bool wide, int32_t* qh, int32_t* ql,
+                      float* qscale) {
   const hn::RebindToSigned<DF> di;
   const hn::Rebind<int8_t, decltype(di)> d8;
   const size_t N = hn::Lanes(d);
-  constexpr float kTop = 32512.0f;  // 127 · 256
+  const float top_code = wide ? 32512.0f : 127.0f;  // 127 · 256 or 127
   for (int64_t r = 0; r < R; ++r) {
     const float* x = q + r * static_cast<int64_t>(ldq);
     auto top = hn::Zero(d);
@@ -151,14 +154,19 @@ inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, int32_t* qh, 
       top = hn::Max(top, hn::Abs(v));
     }
     const float t = hn::GetLane(hn::MaxOfLanes(d, top));
-    qscale[r] = t > 0.0f ? t / kTop : 1.0f;
+    qscale[r] = t > 0.0f ? t / top_code : 1.0f;
     const auto inv = hn::Set(d, 1.0f / qscale[r]);
+    const auto limit = hn::Set(di, static_cast<int32_t>(top_code));
     // Bytes in channel order: byte k of word w is channel 4w + k (little-endian words).
     auto* h8 = reinterpret_cast<int8_t*>(qh + r * static_cast<int64_t>(ldq / 4));
     auto* l8 = reinterpret_cast<int8_t*>(ql + r * static_cast<int64_t>(ldq / 4));
     for (size_t c = 0; c < ldq; c += N) {
       auto v = hn::NearestInt(hn::Mul(hn::Load(d, x + c), inv));
-      v = hn::Min(hn::Max(v, hn::Set(di, -32512)), hn::Set(di, 32512));
+      v = hn::Min(hn::Max(v, hn::Neg(limit)), limit);
+      if (!wide) {
+        hn::StoreU(hn::DemoteTo(d8, v), d8, h8 + c);
+        continue;
+      }
       const auto h = hn::ShiftRight<8>(hn::Add(v, hn::Set(di, 128)));  // ⌊(v + 128) / 256⌋
       const auto l = hn::Sub(v, hn::ShiftLeft<8>(h));
       hn::StoreU(hn::DemoteTo(d8, h), d8, h8 + c);

@@ -316,7 +316,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     if (decode_int8_dots()) {
       qh = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * ldw);
       ql = qh + R * static_cast<int64_t>(ldw);
-      dots = QueryDots(d, qs, ldq, R, qh, ql, qscale);
+      dots = QueryDots(d, qs, ldq, R, Kv::kCodeBits == 8, qh, ql, qscale);
     }
   }
   const size_t ldb = (D + 31) / 32 * 16;  // dwords of a query row's bfloat16 pairs
