@@ -89,8 +89,16 @@ class ReadProbe {
   int threads_;
   std::vector<float> a_;
 };
+// time_calls's median seconds, and with a probe the median GB/s of read sweeps taken one before
+// each call: the machine's read bandwidth at the same moments.
+struct Timed {
+  double seconds;
+  double read_gbps;  // 0 without a probe
+};
+Timed time_calls_alongside(const std::function<void()>& f, const ReadProbe* probe, double seconds);
 // The decode step over a KvCache of every storage type (float32 … int4), 16 and 256 MiB of
-// float32-equivalent cache: time, bytes read, share of the read bandwidth, ratio to float32.
+// float32-equivalent cache, and over paged pools: time, bytes read, share of the read bandwidth,
+// ratio to float32 (bench/decode.cc).
 void run_cache_types(const Options& o);
 // Softcap, ALiBi and sinks (each, and all three) against plain attention at the same shape:
 // prefill forward, backward, and a decode step — time and speed as % of plain.
@@ -117,7 +125,8 @@ double time_mha_module_train(const ModuleCase& c, int threads, double seconds);
 std::vector<Row> run_training(const Options& options, const Peer* peer);
 std::vector<AttentionCase> training_attention_cases();
 
-// The decoding table: step time, GB/s of K/V read, % of the measured read bandwidth, peer.
+// The decoding table: step time, GB/s of K/V read, % of the measured read bandwidth, peer
+// (bench/decode.cc).
 void run_decode(const Options& options, const Peer* peer);
 
 // Peak resident memory of one attention call at (1, 8, 32768, 64), beyond its inputs and

@@ -7,8 +7,10 @@
 //   output  O[r][c]  with value columns in the lanes: each V row is loaded once per block and
 //                    broadcast-multiplied into every row's accumulator.
 // Each K/V byte is read from memory once per step; 16-bit K and V are widened and int8/int4
-// cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h; int8/int4 keys by
-// tiles, int4 values and bfloat16 keys with bfloat16 dot products: decode_quant-inl.h). The keys of a
+// cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h; the scores of N keys
+// and the output pass over a block: decode_block-inl.h; int8/int4 keys by tiles, int4 values
+// and bfloat16 keys with dot products: decode_quant-inl.h). This file runs the blocks of a chunk
+// (prefetches, mask, online softmax), the chunks as tasks, and their merge. The keys of a
 // (batch, kv head) may be cut into S chunks (S depends on the shape alone, never on threads)
 // that run as separate tasks; their partial (O, m, l) are merged in chunk order through their
 // log-sum-exp, so the result has the same bits for any thread count.
@@ -25,6 +27,7 @@
 
 #include "hwy/highway.h"
 #include "util/convert-inl.h"
+#include "kernels/cpu/decode_block-inl.h"
 #include "kernels/cpu/decode_kv-inl.h"
 #include "kernels/cpu/decode_quant-inl.h"
 #include "kernels/cpu/exp2-inl.h"
@@ -41,8 +44,13 @@ namespace {
 
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
+using decode::DecodeOutputCols;
+using decode::DotScores;
+using decode::kOutVecs;
+using decode::LoadQueryRow;
 using decode::PlainKv;
 using decode::QuantKv;
+using decode::StagedScores;
 using decode::TileScores;
 #if MHA_DECODE_DOTS
 using decode::Bf16Scores;
@@ -59,7 +67,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 // a scalar exp2) and each output pass's setup: 8 vectors took the cache-resident bfloat16 and
 // int8 steps ~7% below 4 vectors' (docs/benchmarks.md); 16 were slower again.
 constexpr size_t kBlockVecs = 8;
-constexpr size_t kOutVecs = 4;    // value columns per output pass: 4 vectors (DecodeOutputCols)
 constexpr int64_t kPrefetchBlocks = 1;  // K and V are prefetched one block ahead
 constexpr int64_t kMaxChunkKeys = int64_t{1} << 16;  // keys per chunk at most (a multiple of any block)
 constexpr int64_t kTileRows = 4;  // query rows per pass over a key tile (TileScores)
@@ -95,100 +102,6 @@ Split ChooseSplit(const AttentionParams& p, size_t block) {
   return {std::max<int64_t>(parts, 1), std::max<int64_t>(chunk, static_cast<int64_t>(block))};
 }
 
-// S[r][x] for one row and N keys widened or dequantized into the stage (16-bit and quantized
-// keys: each key is converted once, not once per query row; measured at GQA 32/8, 256 MiB: int8
-// step 12.0 → 9.7 ms). The stage interleaves the keys by vector: vector c of key x at
-// stage + (c·N + x)·N, so the N loads of a step are one pointer's constant offsets (N row
-// pointers did not fit the registers: their reloads were a third of the scores' time). The
-// products and their order are DotScores's: the same bits.
-HWY_INLINE hn::Vec<DF> StagedScores(DF d, const float* q, const float* HWY_RESTRICT stage, size_t vecs) {
-  using V = hn::Vec<DF>;
-  const size_t N = hn::Lanes(d);
-  V acc[hn::MaxLanes(DF())];
-  for (size_t x = 0; x < N; ++x) acc[x] = hn::Zero(d);
-  for (size_t c = 0; c < vecs; ++c) {
-    const V qc = hn::Load(d, q + c * N);
-    const float* sc = stage + c * N * N;
-    for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, hn::Load(d, sc + x * N), acc[x]);
-  }
-  return SumLanesOfEach(d, acc);
-}
-
-// O[r][c0 + c·N ..] = alpha[r]·O + Σ_{j < jn} P[r][j] · V_j[c0 + c·N ..] for rows [r0, r0 + RG)
-// and NV vectors of columns, V_j = vrows[j]. kTail: the last vector is partial (ncols % N != 0).
-// Value rows [prefetch.lo, prefetch.hi) are prefetched one per j (an empty range: none).
-template <size_t RG, size_t NV, bool kTail, class Kv>
-HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows, size_t c0,
-                             size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
-  using V = hn::Vec<DF>;
-  const size_t N = hn::Lanes(d);
-  V acc[RG][NV];
-  for (size_t r = 0; r < RG; ++r) {
-    const V a = hn::Set(d, alpha[r]);
-    for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::Mul(hn::Load(d, o + r * ldo + c * N), a);
-  }
-  const size_t tail = ncols - (NV - 1) * N;
-  // Each row advanced to column c0 (to its last Columns boundary, with the rest in `skip`), so
-  // that the loads below are constant offsets from it. A pass of kOutVecs whole vectors starts
-  // at a boundary (on AVX3 and AVX2: 64 and 32 columns, quantized groups of 32): skip is 0 at
-  // compile time. (Offsets computed per load, spilled for want of registers, took ~6% of the
-  // cache-resident int8 step; docs/benchmarks.md.)
-  constexpr size_t kAlign = Kv::kColumnAlign;
-  const size_t skip = !HWY_HAVE_SCALABLE && kOutVecs * hn::MaxLanes(DF()) % kAlign == 0 ? 0 : c0 % kAlign;
-  for (size_t j = 0; j < jn; ++j) {
-    const auto vj = Kv::Columns(vrows[j], c0 - skip);
-    if (prefetch.lo + static_cast<int64_t>(j) < prefetch.hi) kv.PrefetchValue(prefetch.lo + static_cast<int64_t>(j));
-    V x[NV];
-    for (size_t c = 0; c < NV; ++c)
-      x[c] = kTail && c + 1 == NV ? kv.LoadPartial(d, vj, skip + c * N, tail) : kv.Load(d, vj, skip + c * N);
-    for (size_t r = 0; r < RG; ++r) {
-      const V pb = hn::Set(d, pr[r * ldp + j]);
-      for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pb, x[c], acc[r][c]);
-    }
-  }
-  for (size_t r = 0; r < RG; ++r)
-    for (size_t c = 0; c < NV; ++c) hn::Store(acc[r][c], d, o + r * ldo + c * N);
-}
-
-template <size_t RG, class Kv>
-HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows,
-                                 size_t c0, size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo,
-                                 KeyRange prefetch) {
-  const size_t N = hn::Lanes(d), nv = (ncols + N - 1) / N;
-  const bool tail = ncols % N != 0;
-#define MHA_DECODE_OUTPUT(NV)                                                                      \
-  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch) \
-       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch)
-  static_assert(kOutVecs == 4, "a case for each vector count up to kOutVecs");
-  switch (nv) {
-    case 1: MHA_DECODE_OUTPUT(1); break;
-    case 2: MHA_DECODE_OUTPUT(2); break;
-    case 3: MHA_DECODE_OUTPUT(3); break;
-    default: MHA_DECODE_OUTPUT(kOutVecs); break;
-  }
-#undef MHA_DECODE_OUTPUT
-}
-
-// S[r][x] for one row and the N keys krows[x] (head dim in the lanes): N dot products,
-// reduced together. K rows are read in memory order.
-template <bool kTail, class Kv>
-HWY_INLINE hn::Vec<DF> DotScores(DF d, const float* q, const Kv& kv, const typename Kv::Row* krows, size_t depth) {
-  using V = hn::Vec<DF>;
-  const size_t N = hn::Lanes(d);
-  V acc[hn::MaxLanes(DF())];
-  for (size_t x = 0; x < N; ++x) acc[x] = hn::Zero(d);
-  const size_t full = kTail ? depth / N * N : depth;
-  for (size_t c = 0; c < full; c += N) {
-    const V qc = hn::Load(d, q + c);
-    for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, kv.Load(d, krows[x], c), acc[x]);
-  }
-  if (kTail) {
-    const V qc = hn::Load(d, q + full);  // zero past depth (padded)
-    for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, kv.LoadPartial(d, krows[x], full, depth - full), acc[x]);
-  }
-  return SumLanesOfEach(d, acc);
-}
-
 #if MHA_DECODE_DOTS
 template <size_t RG>
 void Int4OutputCols(const uint32_t* pw, size_t ldw, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows, size_t c0,
@@ -206,34 +119,6 @@ void Int4OutputCols(const uint32_t* pw, size_t ldw, const QuantKv<4>& kv, const 
 template <class F>
 HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
   for (size_t r0 = 0; r0 < rows; r0 += kRowGroup) f(r0, std::min(kRowGroup, rows - r0));
-}
-
-// Query row at element q of p.q, times `scale` (then times the keys' channel scales of a
-// quantized cache), into dst with zeros from D to ldq. Per element the products of the scalar
-// form, (q·scale)·channel: the same bits.
-HWY_INLINE void LoadQueryRow(DF d, const AttentionParams& p, int64_t q, float scale, const float* channel, size_t D,
-                             size_t ldq, float* HWY_RESTRICT dst) {
-  const int64_t stride = p.q_stride[3];
-  switch (p.dtype) {
-    case DType::kBF16: RowToFloat(static_cast<const bfloat16*>(p.q) + q, stride, D, dst); break;
-    case DType::kF16: RowToFloat(static_cast<const float16*>(p.q) + q, stride, D, dst); break;
-    default: RowToFloat(static_cast<const float*>(p.q) + q, stride, D, dst); break;
-  }
-  const size_t N = hn::Lanes(d);
-  const int64_t cstride = channel ? p.k_channel_stride[2] : 0;
-  size_t i = 0;
-  if (!channel || cstride == 1) {
-    for (; i + N <= D; i += N) {
-      auto x = hn::Mul(hn::LoadU(d, dst + i), hn::Set(d, scale));
-      if (channel) x = hn::Mul(x, hn::LoadU(d, channel + i));
-      hn::StoreU(x, d, dst + i);
-    }
-  }
-  for (; i < D; ++i) {
-    dst[i] *= scale;
-    if (channel) dst[i] *= channel[static_cast<int64_t>(i) * cstride];
-  }
-  std::fill(dst + D, dst + ldq, 0.0f);
 }
 
 // Partial attention of rows of (b, hk) over keys [k0, k1): unnormalised O (rows × dvp), m, l.
@@ -612,7 +497,9 @@ void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const
     }
     if (p.lse) {
       p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
-          nan_score ? std::numeric_limits<float>::quiet_NaN() : masked ? kNegInf : static_cast<float>(mx + std::log(sum));
+          nan_score ? std::numeric_limits<float>::quiet_NaN()
+          : masked  ? kNegInf
+                    : static_cast<float>(mx + std::log(sum));
     }
     // As in the forward: a non-finite value must reach only the rows that attend to it. (Cache
     // storage read in place — quantized codes, paged pools — has no layout the reference reads:
