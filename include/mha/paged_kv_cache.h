@@ -95,6 +95,9 @@ class PagedKvCache {
   void release_page(int64_t page);
   void grow(int64_t pages);
   void copy_page(int64_t from, int64_t to);
+  // The pools are head-major, (kv head, page, slot of the page): the row of kv head h's plane
+  // holding position pos of s (cache_attention.cc gives the kernel the same layout as strides).
+  int64_t pool_row(const Sequence& s, int64_t h, int64_t pos) const;
   Tensor as_float(int64_t id, bool keys) const;
 
   PagedKvCacheConfig config_;

@@ -88,6 +88,11 @@ void PagedKvCache::copy_page(int64_t from, int64_t to) {
   }
 }
 
+int64_t PagedKvCache::pool_row(const Sequence& s, int64_t h, int64_t pos) const {
+  const int64_t P = config_.page_size;
+  return (h * pages_ + s.table[pos / P - s.first_page]) * P + pos % P;
+}
+
 const PagedKvCache::Sequence& PagedKvCache::sequence(int64_t id, const char* accessor) const {
   MHA_CHECK(id >= 0 && id < static_cast<int64_t>(seqs_.size()) && seqs_[id].live,
             "PagedKvCache::{}: sequence {} is not live (ids 0 .. {} were added; freed ones are gone)", accessor, id,
@@ -200,9 +205,7 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
   for (int64_t h = 0; h < c.kv_heads; ++h) {
     for (size_t e = 0; e < inv.size(); ++e) inv[e] = 1.0f / s.channels[h * c.head_dim_qk + static_cast<int64_t>(e)];
     for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = s.length + t;
-      const int64_t page = s.table[pos / P - s.first_page];
-      const int64_t row = (h * pages_ + page) * P + pos % P;
+      const int64_t row = pool_row(s, h, s.length + t);
       const float* key = k.data + h * k.stride[0] + t * k.stride[1];
       if (bits)  // pages are whole key tiles (page_size a multiple of kCacheKeyTile)
         write_key_row(key, k.stride[2], c.head_dim_qk, c.dtype, inv.data(), s.outliers.data() + h * kCacheKeyOutliers,
@@ -234,7 +237,7 @@ Tensor PagedKvCache::as_float(int64_t id, bool keys) const {
   Tensor out(DType::kF32, {c.kv_heads, s.length - first, D});
   for (int64_t h = 0; h < c.kv_heads; ++h)
     for (int64_t pos = first; pos < s.length; ++pos) {
-      const int64_t row = (h * pages_ + s.table[pos / P - s.first_page]) * P + pos % P;
+      const int64_t row = pool_row(s, h, pos);
       float* dst = out.data<float>() + (h * (s.length - first) + pos - first) * D;
       if (keys && scales.defined())
         read_key_row(data.data<uint8_t>(), scales.data<float>(), row, s.channels.data() + h * D,

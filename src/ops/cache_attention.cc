@@ -92,7 +92,8 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
   const Tensor& vp = cache.value_pool();
   p.k = kp.raw();
   p.v = vp.raw();
-  // Head-major pools (Hkv, pages, page_size, width): stride[0] steps a page, stride[1] a head.
+  // Head-major pools (Hkv, pages, page_size, width), as PagedKvCache::pool_row: stride[0] steps
+  // a page, stride[1] a head.
   const int64_t pages = cache.pages();
   p.k_stride = {P * kp.shape()[3], pages * P * kp.shape()[3], kp.shape()[3], 1};
   p.v_stride = {P * vp.shape()[3], pages * P * vp.shape()[3], vp.shape()[3], 1};
