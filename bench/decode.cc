@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -89,46 +91,53 @@ void fill_uniform(Tensor& t, uint64_t& x) {
   }
 }
 
+// A decoding call over a cache built for it (the call owns the cache, query and output), and
+// the bytes of cache it reads.
+struct CacheCall {
+  std::string name;  // L, "paged" or "interleaved"
+  CacheType type;
+  int64_t bytes;
+  std::function<void()> call;
+};
+
 // One decoding step (32 query heads, one new token) over a KvCache of `type` holding L
 // positions of GQA 32/8, D = 128: attend() reads the cache in its stored format.
-Timed time_cache_decode(CacheType type, int64_t L, int threads, double seconds, const ReadProbe* probe,
-                        int64_t* bytes) {
+CacheCall cache_call(CacheType type, int64_t L, int threads) {
   KvCacheConfig c;
   c.kv_heads = 8;
   c.head_dim_qk = c.head_dim_v = 128;
   c.capacity = L;
   c.dtype = type;
-  KvCache cache(c);
+  auto cache = std::make_shared<KvCache>(c);
   Tensor k(DType::kF32, {1, 8, L, 128}), v(DType::kF32, {1, 8, L, 128});
   uint64_t x = 12345;
   fill_uniform(k, x);
   fill_uniform(v, x);
-  cache.append(k.view<float>(), v.view<float>());
-  *bytes = cache.nbytes();
-  const Tensor q = filled({1, 32, 1, 128}, 0.5f);
-  Tensor out(DType::kF32, {1, 32, 1, 128});
+  cache->append(k.view<float>(), v.view<float>());
+  auto q = std::make_shared<Tensor>(filled({1, 32, 1, 128}, 0.5f));
+  auto out = std::make_shared<Tensor>(DType::kF32, std::vector<int64_t>{1, 32, 1, 128});
   AttentionOptions opt;
   opt.num_threads = threads;
-  return time_calls_alongside([&] { attend(q.view<float>(), cache, out.view<float>(), opt); }, probe, seconds);
+  return {std::to_string(L), type, cache->nbytes(),
+          [=] { attend(q->view<float>(), *cache, out->view<float>(), opt); }};
 }
 
 // One batched decoding step over 16 sequences of a paged pool, lengths spread over 100 .. 8000
-// (GQA 32/8, D = 128, pages of 64): the bytes of the pages read, in *bytes. Each sequence is
+// (GQA 32/8, D = 128, pages of 64); the bytes are those of the pages read. Each sequence is
 // appended whole (a prefill: its pages are taken one after another), or, `interleaved`, 64
 // positions at a time in turn (as decoding grows them: each sequence's pages alternate with the
 // others').
-Timed time_paged_decode(CacheType type, bool interleaved, int threads, double seconds, const ReadProbe* probe,
-                        int64_t* bytes) {
+CacheCall paged_call(CacheType type, bool interleaved, int threads) {
   PagedKvCacheConfig c;
   c.kv_heads = 8;
   c.head_dim_qk = c.head_dim_v = 128;
   c.page_size = 64;
   c.pages = 1024;
   c.dtype = type;
-  PagedKvCache cache(c);
+  auto cache = std::make_shared<PagedKvCache>(c);
   std::vector<int64_t> ids, lengths;
   for (int s = 0; s < 16; ++s) {
-    ids.push_back(cache.add_sequence());
+    ids.push_back(cache->add_sequence());
     lengths.push_back(100 + (7900 * static_cast<int64_t>((s * 7) % 16)) / 15);  // 100 .. 8000, shuffled
   }
   uint64_t x = 12345;
@@ -141,17 +150,49 @@ Timed time_paged_decode(CacheType type, bool interleaved, int threads, double se
       Tensor k(DType::kF32, {8, n, 128}), v(DType::kF32, {8, n, 128});
       fill_uniform(k, x);
       fill_uniform(v, x);
-      cache.append(ids[s], k.view<float>(), v.view<float>());
+      cache->append(ids[s], k.view<float>(), v.view<float>());
     }
   }
   const int64_t positions = std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
-  *bytes = static_cast<int64_t>(static_cast<double>(cache.nbytes()) * static_cast<double>(positions) /
-                                static_cast<double>(cache.pages() * c.page_size));
-  const Tensor q = filled({16, 32, 1, 128}, 0.5f);
-  Tensor out(DType::kF32, {16, 32, 1, 128});
+  const auto bytes = static_cast<int64_t>(static_cast<double>(cache->nbytes()) * static_cast<double>(positions) /
+                                          static_cast<double>(cache->pages() * c.page_size));
+  auto q = std::make_shared<Tensor>(filled({16, 32, 1, 128}, 0.5f));
+  auto out = std::make_shared<Tensor>(DType::kF32, std::vector<int64_t>{16, 32, 1, 128});
   AttentionOptions opt;
   opt.num_threads = threads;
-  return time_calls_alongside([&] { attend(q.view<float>(), cache, ids, out.view<float>(), opt); }, probe, seconds);
+  return {interleaved ? "interleaved" : "paged", type, bytes,
+          [=] { attend(q->view<float>(), *cache, ids, out->view<float>(), opt); }};
+}
+
+double median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  return x[x.size() / 2];
+}
+
+// A row's figures: the median over the rounds of its time and of the sweep beside it; of its
+// share of that sweep and its ratio to the group's first call (float32), each taken within a
+// round (the same moments of a noisy machine).
+struct Turns {
+  double seconds, sweep_gbps, share, ratio;
+};
+
+// The calls of a group take turns, `rounds` times, each timed for seconds / rounds per round
+// (time_calls_alongside: with a probe, a read sweep before each call).
+std::vector<Turns> time_in_turns(const std::vector<CacheCall>& calls, const ReadProbe* probe, double seconds,
+                                 int rounds) {
+  std::vector<std::vector<double>> t(calls.size()), sweep(calls.size()), share(calls.size()), ratio(calls.size());
+  for (int round = 0; round < rounds; ++round) {
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const Timed x = time_calls_alongside(calls[i].call, probe, seconds / rounds);
+      t[i].push_back(x.seconds);
+      sweep[i].push_back(x.read_gbps);
+      share[i].push_back(x.read_gbps > 0 ? static_cast<double>(calls[i].bytes) / x.seconds / 1e9 / x.read_gbps : 0);
+      ratio[i].push_back(x.seconds / t[0].back());
+    }
+  }
+  std::vector<Turns> out;
+  for (size_t i = 0; i < calls.size(); ++i) out.push_back({median(t[i]), median(sweep[i]), median(share[i]), median(ratio[i])});
+  return out;
 }
 
 }  // namespace
@@ -160,32 +201,29 @@ void run_cache_types(const Options& o) {
   const Bandwidth bw = measure_bandwidth(o.threads);
   const ReadProbe probe(o.threads);
   const CacheType types[] = {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8, CacheType::kInt4};
+  constexpr int kRounds = 5;
   struct Row {
-    std::string name;  // "L = ...", "paged", "interleaved"
-    CacheType type;
-    Timed time;
-    int64_t bytes;
+    CacheCall call;
+    Turns turns;
   };
   std::vector<Row> rows;
+  // Groups of one shape, every type: built together (at most ~1.3 GB), then timed in turns.
+  const auto group = [&](const char* what, const std::function<CacheCall(CacheType)>& make, bool sweeps) {
+    std::vector<CacheCall> calls;
+    for (CacheType t : types) calls.push_back(make(t));
+    std::fprintf(stderr, "%s: %d rounds of the five cache types ...\n", what, kRounds);
+    // A 16 MiB cache is partly in L3 from call to call; a read sweep between calls would evict it.
+    const std::vector<Turns> turns = time_in_turns(calls, sweeps ? &probe : nullptr, 2 * o.seconds, kRounds);
+    for (size_t i = 0; i < calls.size(); ++i) rows.push_back({std::move(calls[i]), turns[i]});
+  };
   for (int64_t mib : {16, 256}) {
     const int64_t L = mib * (1 << 20) / (8 * 2 * 128 * 4);  // the float32 cache's size sets L
-    for (CacheType t : types) {
-      std::fprintf(stderr, "cache %s, L = %ld ...\n", cache_type_name(t), static_cast<long>(L));
-      int64_t bytes = 0;
-      // A 16 MiB cache is partly in L3 from call to call; a read sweep between calls would evict it.
-      const Timed time = time_cache_decode(t, L, o.threads, o.seconds, mib > 16 ? &probe : nullptr, &bytes);
-      rows.push_back({std::to_string(L), t, time, bytes});
-    }
+    group(mib > 16 ? "cache of 256 MiB as float32" : "cache of 16 MiB as float32",
+          [&](CacheType t) { return cache_call(t, L, o.threads); }, mib > 16);
   }
-  for (bool interleaved : {false, true}) {
-    for (CacheType t : types) {
-      std::fprintf(stderr, "paged cache %s, 16 sequences%s ...\n", cache_type_name(t),
-                   interleaved ? ", interleaved" : "");
-      int64_t bytes = 0;
-      const Timed time = time_paged_decode(t, interleaved, o.threads, o.seconds, &probe, &bytes);
-      rows.push_back({interleaved ? "interleaved" : "paged", t, time, bytes});
-    }
-  }
+  for (bool interleaved : {false, true})
+    group(interleaved ? "paged, interleaved" : "paged",
+          [&](CacheType t) { return paged_call(t, interleaved, o.threads); }, true);
   const Bandwidth after = measure_bandwidth(o.threads);
   const double read = std::max(bw.read, after.read);
   fmt::print("\nthreads {}, measured read bandwidth {:.1f} GB/s (best sweep before and after); decode step over a "
@@ -193,20 +231,20 @@ void run_cache_types(const Options& o) {
              o.threads, read);
   fmt::print("{:<9} {:>11} {:>9} {:>9} {:>7} {:>7} {:>10} {:>9} {:>7}\n", "cache", "L", "MiB read", "ms", "GB/s",
              "% read", "sweep GB/s", "% sweep", "× fp32");
-  double f32 = 0;
   for (const Row& r : rows) {
-    if (r.type == CacheType::kF32) f32 = r.time.seconds;
-    const double gb = static_cast<double>(r.bytes) / r.time.seconds / 1e9;
-    const std::string sweep = r.time.read_gbps > 0 ? fmt::format("{:.1f}", r.time.read_gbps) : "-";
-    const std::string share = r.time.read_gbps > 0 ? fmt::format("{:.1f}%", 100 * gb / r.time.read_gbps) : "-";
-    fmt::print("{:<9} {:>11} {:>9.1f} {:>9.3f} {:>7.1f} {:>6.1f}% {:>10} {:>9} {:>6.2f}x\n", cache_type_name(r.type),
-               r.name, static_cast<double>(r.bytes) / (1 << 20), r.time.seconds * 1e3, gb, 100 * gb / read, sweep,
-               share, r.time.seconds / f32);
+    const double gb = static_cast<double>(r.call.bytes) / r.turns.seconds / 1e9;
+    const std::string sweep = r.turns.sweep_gbps > 0 ? fmt::format("{:.1f}", r.turns.sweep_gbps) : "-";
+    const std::string share = r.turns.sweep_gbps > 0 ? fmt::format("{:.1f}%", 100 * r.turns.share) : "-";
+    fmt::print("{:<9} {:>11} {:>9.1f} {:>9.3f} {:>7.1f} {:>6.1f}% {:>10} {:>9} {:>6.2f}x\n", cache_type_name(r.call.type),
+               r.call.name, static_cast<double>(r.call.bytes) / (1 << 20), r.turns.seconds * 1e3, gb, 100 * gb / read,
+               sweep, share, r.turns.ratio);
   }
-  fmt::print("paged: one attend() over 16 sequences of 100 .. 8000 positions in pages of 64, each appended whole "
+  fmt::print("The five types of a shape take turns, {} rounds: ms and sweep GB/s are medians over the rounds;\n"
+             "% sweep (of the read sweeps taken one before each call) and × fp32 are medians of each round's.\n"
+             "paged: one attend() over 16 sequences of 100 .. 8000 positions in pages of 64, each appended whole "
              "(its pages taken in a row);\ninterleaved: the same, appended 64 positions at a time in turn. MiB read: "
-             "their pages. % read: of the best sweep;\nsweep GB/s: the median of read sweeps taken one before each "
-             "call (the same moments), % sweep: of it\n");
+             "their pages. % read: of the best sweep.\n",
+             kRounds);
 }
 
 }  // namespace mha::bench
