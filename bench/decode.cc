@@ -56,7 +56,8 @@ void run_decode(const Options& o, const Peer* peer) {
   const Bandwidth after = measure_bandwidth(o.threads);
   const double read = std::max(bw.read, after.read);
   const std::string peer_name = peer ? peer->name : "peer";
-  fmt::print("\nthreads {}, measured memory bandwidth: read {:.1f} GB/s, triad {:.1f} GB/s (best of before and after)\n",
+  fmt::print(
+      "\nthreads {}, measured memory bandwidth: read {:.1f} GB/s, triad {:.1f} GB/s (best of before and after)\n",
              o.threads, read, std::max(bw.triad, after.triad));
   fmt::print("{:<10} {:>9} {:>7} {:>10} {:>8} {:>7} {:>10} {:>8} {:>7}\n", "decode", "cache MiB", "L", "mha ms", "GB/s",
              "% read", peer_name + " ms", "GB/s", "ratio");
@@ -76,7 +77,8 @@ void run_decode(const Options& o, const Peer* peer) {
                times[i].first * 1e3, gb, 100 * gb / read, peer_cols);
     if (csv.is_open())
       csv << "decode," << c.name << "," << c.bytes() / (1 << 20) << "," << c.L << "," << times[i].first << "," << gb
-          << "," << 100 * gb / read << "," << times[i].second << "," << (times[i].second > 0 ? c.bytes() / times[i].second / 1e9 : 0)
+          << "," << 100 * gb / read << "," << times[i].second << ","
+          << (times[i].second > 0 ? c.bytes() / times[i].second / 1e9 : 0)
           << "," << (times[i].second > 0 ? times[i].second / times[i].first : 0) << "\n";
   }
 }
@@ -191,7 +193,8 @@ std::vector<Turns> time_in_turns(const std::vector<CacheCall>& calls, const Read
     }
   }
   std::vector<Turns> out;
-  for (size_t i = 0; i < calls.size(); ++i) out.push_back({median(t[i]), median(sweep[i]), median(share[i]), median(ratio[i])});
+  for (size_t i = 0; i < calls.size(); ++i)
+    out.push_back({median(t[i]), median(sweep[i]), median(share[i]), median(ratio[i])});
   return out;
 }
 
@@ -235,9 +238,9 @@ void run_cache_types(const Options& o) {
     const double gb = static_cast<double>(r.call.bytes) / r.turns.seconds / 1e9;
     const std::string sweep = r.turns.sweep_gbps > 0 ? fmt::format("{:.1f}", r.turns.sweep_gbps) : "-";
     const std::string share = r.turns.sweep_gbps > 0 ? fmt::format("{:.1f}%", 100 * r.turns.share) : "-";
-    fmt::print("{:<9} {:>11} {:>9.1f} {:>9.3f} {:>7.1f} {:>6.1f}% {:>10} {:>9} {:>6.2f}x\n", cache_type_name(r.call.type),
-               r.call.name, static_cast<double>(r.call.bytes) / (1 << 20), r.turns.seconds * 1e3, gb, 100 * gb / read,
-               sweep, share, r.turns.ratio);
+    fmt::print("{:<9} {:>11} {:>9.1f} {:>9.3f} {:>7.1f} {:>6.1f}% {:>10} {:>9} {:>6.2f}x\n",
+               cache_type_name(r.call.type), r.call.name, static_cast<double>(r.call.bytes) / (1 << 20),
+               r.turns.seconds * 1e3, gb, 100 * gb / read, sweep, share, r.turns.ratio);
   }
   fmt::print("The five types of a shape take turns, {} rounds: ms and sweep GB/s are medians over the rounds;\n"
              "% sweep (of the read sweeps taken one before each call) and × fp32 are medians of each round's.\n"

@@ -391,7 +391,8 @@ void report(const std::vector<Row>& rows, double peak, const Options& o, const P
     const double g = r.flops / r.mha_s / 1e9;
     std::string peer_cols = fmt::format("{:>10} {:>9} {:>7}", "-", "-", "-");
     if (r.peer_s > 0)
-      peer_cols = fmt::format("{:>10.3f} {:>9.1f} {:>6.2f}x", r.peer_s * 1e3, r.flops / r.peer_s / 1e9, r.peer_s / r.mha_s);
+      peer_cols =
+          fmt::format("{:>10.3f} {:>9.1f} {:>6.2f}x", r.peer_s * 1e3, r.flops / r.peer_s / 1e9, r.peer_s / r.mha_s);
     fmt::print("{:<13} {:<16} {:<24} {:>10.3f} {:>9.1f} {:>6.1f}% {}\n", r.suite, r.name, r.shape, r.mha_s * 1e3, g,
                peak > 0 ? 100 * g / peak : 0.0, peer_cols);
   }

@@ -79,14 +79,14 @@ HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size
 
 #undef MHA_DECODE_DOTS
 #if HWY_TARGET == HWY_AVX3
-// TileScores with 8-bit integer dot products (AVX-512 VNNI, checked at run time: the AVX3
-// target does not imply it). int8 keys meet the query rows as 16-bit integers
-// q ≈ qscale · (256·h + l), h and l signed bytes, packed 4 channels to a word (qh, ql: a row's
-// words at r · ldw): per group vpdpbusd sums 4 code × byte products per key into 32-bit lanes, for
-// h and for l; 256·Σh + Σl is exact in int32 (|Σ| ≤ 32 · 255 · 127 · 257 < 2^31), then scaled as in
-// TileScores. int4 keys meet them as 8-bit integers q ≈ qscale · h (ql unused): half the dot
-// products, and a rounding 15× below the int4 codes' own (docs/numerics.md). Rounding q moves a
-// score by at most qscale/2 · Σ_c scale_g·code_c. 16 lanes: a tile per vector.
+// TileScores with 8-bit integer dot products (AVX-512 VNNI, checked at run time: the AVX3 target
+// does not imply it). int8 keys meet the query rows as 16-bit integers q ≈ qscale · (256·h + l), h
+// and l signed bytes, packed 4 channels to a word (qh, ql: a row's words at r · ldw): per group
+// vpdpbusd sums 4 code × byte products per key into 32-bit lanes, for h and for l; 256·Σh + Σl is
+// exact in int32 (|Σ| ≤ 32 · 255 · 127 · 257 < 2^31), then scaled as in TileScores. int4 keys meet
+// them as 8-bit integers q ≈ qscale · h (ql unused): half the dot products, and a rounding an
+// order of magnitude below the int4 codes' own (docs/numerics.md). Rounding q moves a score by at
+// most qscale/2 · Σ_c scale_g·code_c. 16 lanes: a tile per vector.
 template <int kBits, size_t RT>
 __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
     const uint8_t* codes, const float* scales, size_t groups, const int32_t* qh, const int32_t* ql, size_t ldw,
