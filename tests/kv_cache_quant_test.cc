@@ -408,6 +408,70 @@ TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
   }
 }
 
+// The int4 keys' scores exactly, on problems where every path's roundings are exact, so that
+// an error of the key pass short of QuantDecode's 2^-4 (a score off by 1%, say) still shows. Key
+// t's channel c is (t + c) mod 16: every channel holds the same values (key channel scales all
+// 8, no outlier channel) and every group of a key holds 0 and 15 (codes = the values, scale 1/8
+// of the stored k/8, minimum 0); query entries are integers of [-127, 127] with one of ±127 and
+// the scale is 2^-10. The 8-bit query of the dot products is then the integers themselves, and
+// both paths' scores are the exact Σ q·k / 1024 (integer sums far below 2^24, times powers of
+// two). Values are their codes too. So the float path gives softmax(s)·V to float32 rounding
+// (16u allowed), and the dot products to within their value pass's rounding of P to bfloat16,
+// 2^-8 of each term, all terms positive (2^-8 · (1 + 2^-10) allowed). A score off by 1% moves
+// P by ~4% here (scores spread over ±7).
+TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
+  constexpr int64_t G = 4, L = 45, D = 64;
+  KvCacheConfig c;
+  c.kv_heads = 1;
+  c.head_dim_qk = c.head_dim_v = D;
+  c.dtype = CacheType::kInt4;
+  KvCache cache(c);
+  Rng rng(base_seed() + 806);
+  Tensor k(DType::kF32, {1, 1, L, D}), v(DType::kF32, {1, 1, L, D});
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t e = 0; e < D; ++e) {
+      k.view<float>().at(0, 0, t, e) = static_cast<float>((t + e) % 16);
+      v.view<float>().at(0, 0, t, e) = static_cast<float>((3 * t + 5 * e) % 16);
+    }
+  cache.append(k.view<float>(), v.view<float>());
+  const Tensor keys = cache.keys_as_float(), values = cache.values_as_float();
+  for (int64_t t = 0; t < L; ++t)  // stored exactly
+    for (int64_t e = 0; e < D; ++e) {
+      ASSERT_EQ(keys.view<float>().at(0, 0, t, e), k.view<float>().at(0, 0, t, e));
+      ASSERT_EQ(values.view<float>().at(0, 0, t, e), v.view<float>().at(0, 0, t, e));
+    }
+  Tensor q(DType::kF32, {1, G, 1, D}), out(DType::kF32, {1, G, 1, D});
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t e = 0; e < D; ++e)
+      q.view<float>().at(0, h, 0, e) = e == h ? (h % 2 ? -127.0f : 127.0f) : static_cast<float>(rng.range(-127, 127));
+  AttentionOptions options;
+  options.scale = 1.0f / 1024;
+  for (bool dots : {false, true}) {
+    kernels::allow_decode_dot_products(dots);
+    SCOPED_TRACE(dots ? "dot products where the CPU has them" : "float path");
+    const bool bf16_values = dots && kernels::decode_bf16_dots();
+    attend(q.view<float>(), cache, out.view<float>(), options);
+    for (int64_t h = 0; h < G; ++h) {
+      std::vector<double> s(static_cast<size_t>(L));
+      double top = -1e300, sum = 0;
+      for (int64_t t = 0; t < L; ++t) {
+        double x = 0;
+        for (int64_t e = 0; e < D; ++e) x += q.view<float>().at(0, h, 0, e) * k.view<float>().at(0, 0, t, e);
+        s[t] = x / 1024;
+        top = std::max(top, s[t]);
+      }
+      for (int64_t t = 0; t < L; ++t) sum += std::exp(s[t] - top);
+      for (int64_t e = 0; e < D; ++e) {
+        double want = 0;
+        for (int64_t t = 0; t < L; ++t) want += std::exp(s[t] - top) / sum * v.view<float>().at(0, 0, t, e);
+        const double tol = bf16_values ? want / 256 * (1 + 1.0 / 1024) : 16 * want / (1 << 24) + 1e-30;
+        ASSERT_NEAR(out.view<float>().at(0, h, 0, e), want, tol) << "head " << h << ", column " << e;
+      }
+    }
+  }
+  kernels::allow_decode_dot_products(true);
+}
+
 // The error of decoding from a quantized cache against a float32 cache of the same keys and
 // values: GQA 4:1, D = 128, 1024 positions, 64 query rows per case; per-row relative error
 // ‖o − o32‖ / ‖o32‖, its 99th percentile. Keys random, or with 4 outlier channels 20× larger
