@@ -205,19 +205,22 @@ void run_cache_types(const Options& o) {
   const ReadProbe probe(o.threads);
   const CacheType types[] = {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8, CacheType::kInt4};
   constexpr int kRounds = 5;
-  struct Row {
-    CacheCall call;
+  struct Row {  // a call's figures (its cache is gone once its group is timed)
+    std::string name;
+    CacheType type;
+    int64_t bytes;
     Turns turns;
   };
   std::vector<Row> rows;
-  // Groups of one shape, every type: built together (at most ~1.3 GB), then timed in turns.
+  // Groups of one shape, every type: built together (at most ~1.3 GB, freed before the next
+  // group), then timed in turns.
   const auto group = [&](const char* what, const std::function<CacheCall(CacheType)>& make, bool sweeps) {
     std::vector<CacheCall> calls;
     for (CacheType t : types) calls.push_back(make(t));
     std::fprintf(stderr, "%s: %d rounds of the five cache types ...\n", what, kRounds);
     // A 16 MiB cache is partly in L3 from call to call; a read sweep between calls would evict it.
     const std::vector<Turns> turns = time_in_turns(calls, sweeps ? &probe : nullptr, 2 * o.seconds, kRounds);
-    for (size_t i = 0; i < calls.size(); ++i) rows.push_back({std::move(calls[i]), turns[i]});
+    for (size_t i = 0; i < calls.size(); ++i) rows.push_back({calls[i].name, calls[i].type, calls[i].bytes, turns[i]});
   };
   for (int64_t mib : {16, 256}) {
     const int64_t L = mib * (1 << 20) / (8 * 2 * 128 * 4);  // the float32 cache's size sets L
@@ -235,11 +238,11 @@ void run_cache_types(const Options& o) {
   fmt::print("{:<9} {:>11} {:>9} {:>9} {:>7} {:>7} {:>10} {:>9} {:>7}\n", "cache", "L", "MiB read", "ms", "GB/s",
              "% read", "sweep GB/s", "% sweep", "× fp32");
   for (const Row& r : rows) {
-    const double gb = static_cast<double>(r.call.bytes) / r.turns.seconds / 1e9;
+    const double gb = static_cast<double>(r.bytes) / r.turns.seconds / 1e9;
     const std::string sweep = r.turns.sweep_gbps > 0 ? fmt::format("{:.1f}", r.turns.sweep_gbps) : "-";
     const std::string share = r.turns.sweep_gbps > 0 ? fmt::format("{:.1f}%", 100 * r.turns.share) : "-";
     fmt::print("{:<9} {:>11} {:>9.1f} {:>9.3f} {:>7.1f} {:>6.1f}% {:>10} {:>9} {:>6.2f}x\n",
-               cache_type_name(r.call.type), r.call.name, static_cast<double>(r.call.bytes) / (1 << 20),
+               cache_type_name(r.type), r.name, static_cast<double>(r.bytes) / (1 << 20),
                r.turns.seconds * 1e3, gb, 100 * gb / read, sweep, share, r.turns.ratio);
   }
   fmt::print("The five types of a shape take turns, {} rounds: ms and sweep GB/s are medians over the rounds;\n"
