@@ -353,7 +353,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       }
       auto mx = hn::Set(d, kNegInf);
       if (lo[r] <= j0 && hi[r] >= j0 + static_cast<int64_t>(block)) {
-        // Every key of the block visible (most blocks): no mask. Masking every block took ~15% of
+        // Every key of the block visible (most blocks): no mask. Masking every block took ~4% of
         // the cache-resident int8 and int4 steps (docs/benchmarks.md).
         for (size_t kv = 0; kv < kBlockVecs; ++kv) mx = hn::Max(mx, hn::Load(d, sr + kv * N));
       } else {
