@@ -43,7 +43,8 @@ def check_number(x, name, lo=None, hi=None):
         raise Error(f"{name} must be a number; got {type(x).__name__} {x!r}")
     x = float(x)
     if not np.isfinite(x) or (lo is not None and x < lo) or (hi is not None and x > hi):
-        bounds = f" in [{lo}, {hi}]" if lo is not None and hi is not None else ""
+        bounds = (f" in [{lo}, {hi}]" if lo is not None and hi is not None else f" >= {lo}" if lo is not None
+                  else f" <= {hi}" if hi is not None else "")
         raise Error(f"{name} must be a finite number{bounds}; got {x}")
     return x
 

@@ -87,4 +87,5 @@ class PagedKvCache:
     sequences = property(lambda self: list(self._c.sequences()))
 
     def references(self, page):
-        return self._c.references(page)
+        """How many sequences' block tables hold page (0: a free page)."""
+        return self._c.references(A.check_int(page, "PagedKvCache.references: page", -2**63, 2**63 - 1))

@@ -66,3 +66,10 @@ def test_fork_free_and_errors():
         mha.PagedKvCache(kv_heads=1, head_dim=16, page_size=24)
     with pytest.raises(mha.Error, match="PagedKvCache: dtype must be .*'int8' or 'int4'; got 'int2'"):
         mha.PagedKvCache(kv_heads=1, head_dim=16, dtype="int2")
+    # Every accessor's argument is checked: an mha.Error naming it, never nanobind's TypeError.
+    for page in (1.5, None, "0", True, 2**64):
+        with pytest.raises(mha.Error, match="references: page"):
+            cache.references(page)
+    for page in (-1, cache.pages, 2**63 - 1):
+        with pytest.raises(mha.Error, match="references: page .* outside"):
+            cache.references(page)

@@ -91,7 +91,7 @@ def test_bad_arguments_are_errors():
         mha.varlen_attention(q, k, v, cu_q.float(), cu_k, 3, 4)
     with pytest.raises(mha.Error, match=r"window_size=\(left, 0\) with causal=True"):
         mha.varlen_attention(q, k, v, cu_q, cu_k, 3, 4, window_size=(2, 2))
-    with pytest.raises(mha.Error, match="softcap"):
+    with pytest.raises(mha.Error, match="softcap must be a finite number >= 0.0; got -1.0"):
         mha.varlen_attention(q, k, v, cu_q, cu_k, 3, 4, softcap=-1.0)
     with pytest.raises(mha.Error, match=r"alibi_slopes must be \(Hq,\)"):
         mha.varlen_attention(q, k, v, cu_q, cu_k, 3, 4, alibi_slopes=torch.ones(5))
