@@ -95,8 +95,8 @@ int64_t PagedKvCache::pool_row(const Sequence& s, int64_t h, int64_t pos) const 
 
 const PagedKvCache::Sequence& PagedKvCache::sequence(int64_t id, const char* accessor) const {
   MHA_CHECK(id >= 0 && id < static_cast<int64_t>(seqs_.size()) && seqs_[id].live,
-            "PagedKvCache::{}: sequence {} is not live (ids 0 .. {} were added; freed ones are gone)", accessor, id,
-            static_cast<int64_t>(seqs_.size()) - 1);
+            "PagedKvCache::{}: sequence {} is not live ({} added so far, as ids from 0; freed ones are gone)", accessor,
+            id, seqs_.size());
   return seqs_[id];
 }
 PagedKvCache::Sequence& PagedKvCache::sequence(int64_t id, const char* accessor) {

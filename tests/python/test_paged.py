@@ -73,3 +73,57 @@ def test_fork_free_and_errors():
     for page in (-1, cache.pages, 2**63 - 1):
         with pytest.raises(mha.Error, match="references: page .* outside"):
             cache.references(page)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_keep_the_pool_consistent(seed):
+    """Hostile-input fuzz: random add / fork / free / append / attend calls, some with bad
+    arguments (freed or unknown ids, wrong shapes, non-integers, a full pool). Each call either
+    works or raises mha.Error and leaves everything as it was; after each, every page is either
+    free or in the tables, as many times as references() says, and lengths are what the appends
+    made them."""
+    rng = np.random.default_rng(seed)
+    dtype = ["float32", "bfloat16", "float16", "int8", "int4", "int8"][seed]
+    H, D = 2, int(rng.choice([8, 33]))
+    cache = mha.PagedKvCache(H, D, page_size=int(rng.choice([16, 32])), pages=4, max_pages=16,
+                             dtype=dtype)
+    length, freed = {}, []
+    for step in range(200):
+        op = rng.choice(["add", "fork", "free", "append", "attend"], p=[0.15, 0.15, 0.15, 0.35, 0.2])
+        bad_id, bad_shape = rng.random() < 0.15, rng.random() < 0.1
+        live = list(length)
+        held = [s for s in live if length[s] > 0] if op == "attend" else live  # attend: a key per query
+        if bad_id or not held:
+            unknown = [*freed, -1, 10**6, 2**63 - 1, 1.5]
+            seq = unknown[rng.integers(len(unknown))]
+        else:
+            seq = rng.choice(held)
+        before = {s: cache.length(s) for s in live}, cache.free_pages
+        try:
+            if op == "add":
+                length[cache.add_sequence()] = 0
+            elif op == "fork":
+                child = cache.fork(seq)
+                length[child] = length[seq]
+            elif op == "free":
+                cache.free_sequence(seq)
+                length.pop(seq)
+                freed.append(seq)
+            elif op == "append":
+                n = int(rng.integers(0, 50))
+                k = rng.standard_normal((H, n, D + bad_shape)).astype(np.float32)
+                cache.append(seq, k, rng.standard_normal((H, n, D)).astype(np.float32))
+                length[seq] += n
+            else:
+                seqs = [seq] + [s for s in held if rng.random() < 0.5]
+                out = cache.attend(rng.standard_normal((len(seqs), 2 * H, 1, D)).astype(np.float32), seqs)
+                assert out.shape == (len(seqs), 2 * H, 1, D) and np.isfinite(out).all()
+        except mha.Error:
+            assert ({s: cache.length(s) for s in live}, cache.free_pages) == before, f"step {step}: {op} changed state"
+        tables = [cache.block_table(s) for s in cache.sequences]
+        assert sorted(cache.sequences) == sorted(length)
+        assert all(cache.length(s) == n for s, n in length.items())
+        used = [p for t in tables for p in t]
+        for p in range(cache.pages):
+            assert cache.references(p) == used.count(p), f"step {step}: page {p}"
+        assert cache.free_pages == cache.pages - len(set(used))
