@@ -75,6 +75,30 @@ def test_fork_free_and_errors():
             cache.references(page)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_a_non_finite_value_reaches_only_the_rows_that_see_it(dtype):
+    """Two queries (positions 38 and 39) with a window of 3: a NaN value at position 36 is seen by
+    the first and not by the second, though both read it in one block (for int8/int4 keys the
+    block starts at 32). The second row must be what it is with that value finite."""
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((1, 40, 32)).astype(np.float32)
+    v = rng.standard_normal((1, 40, 32)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 2, 32)).astype(np.float32)
+    outs = []
+    for bad in (np.nan, np.inf, 0.5):
+        cache = mha.PagedKvCache(1, 32, page_size=16, pages=4, window=3, dtype=dtype)
+        seq = cache.add_sequence()
+        v[0, 36, 5] = bad
+        cache.append(seq, k, v)
+        outs.append(cache.attend(q, [seq]))
+    # The second row is redone by the float path (VisibleOutput); int4's fast value pass rounds P
+    # and the values to bfloat16, each product within 2^-7 (docs/numerics.md).
+    tol = 2**-7 if dtype == "int4" else 1e-5
+    for out in outs[:2]:
+        assert not np.isfinite(out[0, :, 0, 5]).any()  # Inf, or NaN (a quantized group)
+        np.testing.assert_allclose(out[0, :, 1], outs[2][0, :, 1], rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_operations_keep_the_pool_consistent(seed):
     """Hostile-input fuzz: random add / fork / free / append / attend calls, some with bad

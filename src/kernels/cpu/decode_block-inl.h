@@ -2,8 +2,9 @@
 // N keys for one query row (DotScores from the K rows, StagedScores from keys widened or
 // dequantized into a stage), head dim in the lanes and the N sums reduced together; and the
 // output pass (DecodeOutputCols), value columns in the lanes, each V row loaded once per block
-// and broadcast-multiplied into every row's accumulator; and the query rows they read
-// (LoadQueryRow). Kv: how K and V are stored (decode_kv-inl.h).
+// and broadcast-multiplied into every row's accumulator (VisibleOutput: one row over only the
+// keys it sees); and the query rows they read (LoadQueryRow). Kv: how K and V are stored
+// (decode_kv-inl.h).
 #if defined(MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
@@ -100,6 +101,25 @@ HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv
     default: MHA_DECODE_OUTPUT(kOutVecs); break;
   }
 #undef MHA_DECODE_OUTPUT
+}
+
+// O[0 .. Dv) = alpha·O + Σ P[j] · V_j over the keys j0 + j (j < jn) that the row sees
+// (vis.visible), V_j = vrows[j]; the others are skipped, not weighted by 0 (a non-finite value
+// there must not reach the row). One row and one key at a time: the kernel takes this only for a
+// block whose passes left a row not finite.
+template <class Kv>
+HWY_INLINE void VisibleOutput(DF d, const float* pr, const Kv& kv, const typename Kv::Row* vrows, size_t Dv, int64_t j0,
+                              size_t jn, KeyRange vis, float alpha, float* o) {
+  const size_t N = hn::Lanes(d);
+  for (size_t c = 0; c < Dv; c += N) {
+    auto acc = hn::Mul(hn::Load(d, o + c), hn::Set(d, alpha));
+    for (size_t j = 0; j < jn; ++j) {
+      if (!vis.visible(j0 + static_cast<int64_t>(j))) continue;
+      const auto x = c + N <= Dv ? kv.Load(d, vrows[j], c) : kv.LoadPartial(d, vrows[j], c, Dv - c);
+      acc = hn::MulAdd(hn::Set(d, pr[j]), x, acc);
+    }
+    hn::Store(acc, d, o + c);
+  }
 }
 
 // S[r][x] for one row and the N keys krows[x] (head dim in the lanes): N dot products,

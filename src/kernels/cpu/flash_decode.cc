@@ -143,6 +143,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   int64_t* lo = ws.get<int64_t>(Workspace::kDecodeLo, R);
   int64_t* hi = ws.get<int64_t>(Workspace::kDecodeHi, R);
   int64_t* sink = ws.get<int64_t>(Workspace::kDecodeSinkHi, R);  // sink tokens past a gap: [k0, sink)
+  float* saved = ws.get<float>(Workspace::kDecodeSavedOut, static_cast<size_t>(R) * dvp);  // see `partial`
   const DecodeRows rows{R};
   int64_t ua = k1, ub = k0;
   const float* channel =
@@ -385,6 +386,13 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     }
     // The block's value rows, found once for every pass below.
     for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
+    // A key of the block that a row does not see (a window's first block, a causal last block of
+    // several queries, a sink gap; for key tiles, keys before the first, read from a multiple of
+    // N) has P = 0 in that row, and 0 times a non-finite value is NaN. For such blocks the rows'
+    // outputs are kept; a row the passes leave not finite is redone by VisibleOutput.
+    bool partial = false;
+    for (int64_t r = 0; r < R && !partial; ++r) partial = !((lo[r] <= j0 && hi[r] >= j0 + jn) || sink[r] >= j0 + jn);
+    if (partial) std::copy(o, o + R * static_cast<int64_t>(dvp), saved);
 #if MHA_DECODE_DOTS
     if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
       if (pairs) PairWeights(s, R, block, pw);  // int4 values with bfloat16 dot products (Int4Output)
@@ -429,6 +437,14 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
             break;
         }
       });
+    }
+    if (!partial) continue;
+    for (int64_t r = 0; r < R; ++r) {
+      float* orow = o + r * static_cast<int64_t>(dvp);
+      if (std::all_of(orow, orow + Dv, [](float x) { return std::isfinite(x); })) continue;
+      std::copy(saved + r * static_cast<int64_t>(dvp), saved + (r + 1) * static_cast<int64_t>(dvp), orow);
+      decode::VisibleOutput(d, s + r * static_cast<int64_t>(block), kv, vrows, Dv, j0, static_cast<size_t>(jn),
+                            KeyRange{lo[r], hi[r], sink[r]}, alpha[r], orow);
     }
   }
 }
