@@ -179,3 +179,20 @@ def test_varlen_and_paged_cache_refuse_hostile_arguments():
         cache.attend(torch.zeros(1, 1, 1, 8), [3])
     with pytest.raises(mha.Error, match="expected a numpy array or a torch tensor"):
         cache.append(cache.add_sequence(), [[[0.0] * 8]], [[[0.0] * 8]])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_a_non_finite_token_reaches_only_the_later_rows_of_a_step(dtype):
+    # 12 new tokens in one step (the decode kernel takes up to 16 rows), the last one NaN: rows
+    # 0-10 do not see it, though the kernel reads its key and value in their block (0 x NaN must
+    # not reach them). Their outputs are those of a step of the first 11 tokens alone (the key channel scales of a
+    # quantized cache come from the finite keys in both). int4: the redone rows take the float
+    # value pass, the step alone the bfloat16 one where the CPU has it (2^-7, docs/numerics.md).
+    m = mha.MultiheadAttention(64, 4, batch_first=True)
+    x = np.random.default_rng(0).standard_normal((1, 12, 64)).astype(np.float32)
+    alone = m.step(x[:, :11], m.make_cache(1, dtype=dtype))
+    x[0, 11, :] = np.nan
+    y = m.step(x, m.make_cache(1, dtype=dtype))
+    assert not np.isfinite(y[0, 11]).any()
+    tol = 2**-7 if dtype == "int4" else 1e-5
+    np.testing.assert_allclose(y[0, :11], alone[0], rtol=tol, atol=tol)
