@@ -120,6 +120,9 @@ struct KeyRange {
   int64_t lo, hi;
   int64_t sink_hi = 0;
   bool visible(int64_t j) const { return (j >= lo && j < hi) || j < sink_hi; }
+  // Whether every key of [a, b) (a < b, a >= 0) is visible. The two spans never touch
+  // (visible_keys), so one of them must hold all of [a, b).
+  bool covers(int64_t a, int64_t b) const { return (lo <= a && hi >= b) || sink_hi >= b; }
   int64_t first() const { return sink_hi > 0 ? 0 : lo; }  // the span [first(), hi) holds them all
 };
 

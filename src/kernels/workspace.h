@@ -34,7 +34,7 @@ class Workspace {
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,
     kBwdSoftcapGrad,
     // Decoding (flash_decode.cc).
-    kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeLo, kDecodeHi, kDecodeSinkHi, kDecodeMerge,
+    kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeSeen, kDecodeMerge,
     kDecodeOut, kDecodeMax, kDecodeSum, kDecodeQuerySums, kDecodeQueryWords, kDecodeWeightPairs, kDecodeSavedOut,
     // varlen_attention (src/ops/varlen.cc): one sequence's rows, head-major, around the kernel calls.
     kVarlenQuery, kVarlenKey, kVarlenValue, kVarlenOut, kVarlenGradOut, kVarlenGradQuery, kVarlenGradKey,

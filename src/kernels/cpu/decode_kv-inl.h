@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
@@ -30,6 +31,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 // Where PrefetchKey / PrefetchValue ask for a row's lines.
 constexpr PrefetchTo kTo = PrefetchTo::kL2;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
 
 // The first n (< N) elements at p as floats, zeros after them.
 HWY_INLINE hn::Vec<DF> LoadTail(DF d, const float* p, size_t n) { return hn::MaskedLoad(hn::FirstN(d, n), d, p); }

@@ -10,30 +10,27 @@
 // cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h; the scores of N keys
 // and the output pass over a block: decode_block-inl.h; int8/int4 keys by tiles, int4 values
 // and bfloat16 keys with dot products: decode_quant-inl.h). This file runs the blocks of a chunk
-// (prefetches, mask, online softmax), the chunks as tasks, and their merge. The keys of a
-// (batch, kv head) may be cut into S chunks (S depends on the shape alone, never on threads)
-// that run as separate tasks; their partial (O, m, l) are merged in chunk order through their
-// log-sum-exp, so the result has the same bits for any thread count.
+// (prefetches, mask, online softmax) and the chunks as tasks. The keys of a (batch, kv head) may
+// be cut into S chunks (S depends on the shape alone, never on threads) that run as separate
+// tasks; their partial (O, m, l) are merged in chunk order through their log-sum-exp
+// (decode_merge-inl.h), so the result has the same bits for any thread count.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_decode.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <numeric>
 #include <type_traits>
-#include <vector>
 
 #include "hwy/highway.h"
-#include "util/convert-inl.h"
 #include "kernels/cpu/decode_block-inl.h"
 #include "kernels/cpu/decode_kv-inl.h"
+#include "kernels/cpu/decode_merge-inl.h"
 #include "kernels/cpu/decode_quant-inl.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/transpose-inl.h"
-#include "kernels/ref/attention_ref.h"
 #include "kernels/workspace.h"
 #include "mha/kv_cache.h"
 #include "util/parallel.h"
@@ -45,9 +42,13 @@ namespace {
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using decode::DecodeOutputCols;
+using decode::DecodeRows;
 using decode::DotScores;
+using decode::kLog2e;
+using decode::kNegInf;
 using decode::kOutVecs;
 using decode::LoadQueryRow;
+using decode::Merge;
 using decode::PlainKv;
 using decode::QuantKv;
 using decode::StagedScores;
@@ -61,8 +62,6 @@ using decode::QueryDots;
 using decode::TileDots;
 #endif
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLog2e = 1.4426950408889634f;
 // Keys per block: 8 vectors. Each block pays a softmax update per row (horizontal max and sum,
 // a scalar exp2) and each output pass's setup: 8 vectors took the cache-resident bfloat16 and
 // int8 steps ~7% below 4 vectors' (docs/benchmarks.md); 16 were slower again.
@@ -75,13 +74,6 @@ constexpr size_t kRowGroup = 6;   // 6 rows × 4 vectors = 24 accumulators
 #else
 constexpr size_t kRowGroup = 2;   // 8 accumulators of 16 registers
 #endif
-
-// The rows of a decode task: query heads hk·G .. hk·G + G, queries 0 .. Tq.
-struct DecodeRows {
-  int64_t rows;
-  int64_t head(const AttentionParams& p, int64_t hk, int64_t r) const { return hk * p.group() + r / p.q_len; }
-  int64_t query(const AttentionParams& p, int64_t r) const { return r % p.q_len; }
-};
 
 struct Split {
   int64_t parts;       // chunks per (b, kv head)
@@ -140,9 +132,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   float* qs = ws.get<float>(Workspace::kDecodeQuery, R * ldq);
   float* s = ws.get<float>(Workspace::kDecodeScores, R * block);
   float* alpha = ws.get<float>(Workspace::kDecodeRescale, R);
-  int64_t* lo = ws.get<int64_t>(Workspace::kDecodeLo, R);
-  int64_t* hi = ws.get<int64_t>(Workspace::kDecodeHi, R);
-  int64_t* sink = ws.get<int64_t>(Workspace::kDecodeSinkHi, R);  // sink tokens past a gap: [k0, sink)
+  KeyRange* seen = ws.get<KeyRange>(Workspace::kDecodeSeen, R);  // each row's visible keys within [k0, k1)
   float* saved = ws.get<float>(Workspace::kDecodeSavedOut, static_cast<size_t>(R) * dvp);  // see `partial`
   const DecodeRows rows{R};
   int64_t ua = k1, ub = k0;
@@ -182,11 +172,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       }
     }
     const KeyRange k = visible_keys(p, b, i);
-    lo[r] = std::max(k.lo, k0);
-    hi[r] = std::min(k.hi, k1);
-    sink[r] = std::min(k.sink_hi, k1);
-    if (hi[r] > lo[r]) ua = std::min(ua, lo[r]), ub = std::max(ub, hi[r]);
-    if (sink[r] > k0) ua = std::min(ua, k0), ub = std::max(ub, sink[r]);
+    seen[r] = KeyRange{std::max(k.lo, k0), std::min(k.hi, k1), std::min(k.sink_hi, k1)};  // sinks: [k0, sink_hi)
+    if (seen[r].hi > seen[r].lo) ua = std::min(ua, seen[r].lo), ub = std::max(ub, seen[r].hi);
+    if (seen[r].sink_hi > k0) ua = std::min(ua, k0), ub = std::max(ub, seen[r].sink_hi);
     m[r] = kNegInf;
     l[r] = 0.0f;
     std::fill(o + r * dvp, o + (r + 1) * dvp, 0.0f);
@@ -242,7 +230,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     const int64_t jn = std::min<int64_t>(static_cast<int64_t>(block), ub - j0);
     if (p.sink_tokens > 0) {  // a block in the gap between sink tokens and every row's window: skip
       bool any = false;
-      for (int64_t r = 0; r < R && !any; ++r) any = (lo[r] < j0 + jn && hi[r] > j0 && hi[r] > lo[r]) || sink[r] > j0;
+      for (int64_t r = 0; r < R && !any; ++r) {
+        const KeyRange& k = seen[r];
+        any = (k.lo < j0 + jn && k.hi > j0 && k.hi > k.lo) || k.sink_hi > j0;
+      }
       if (!any) continue;
     }
     // Scores: for each N keys, every row's N dot products (head dim in the lanes), K rows read
@@ -353,15 +344,16 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
         }
       }
       auto mx = hn::Set(d, kNegInf);
-      if (lo[r] <= j0 && hi[r] >= j0 + static_cast<int64_t>(block)) {
+      const KeyRange& k = seen[r];
+      if (k.covers(j0, j0 + static_cast<int64_t>(block))) {
         // Every key of the block visible (most blocks): no mask. Masking every block took ~4% of
         // the cache-resident int8 and int4 steps (docs/benchmarks.md).
         for (size_t kv = 0; kv < kBlockVecs; ++kv) mx = hn::Max(mx, hn::Load(d, sr + kv * N));
       } else {
         // Key indices relative to the block fit int32 lanes whatever the key count (> 2^31 too).
-        const auto lo_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(lo[r] - j0, -1, jn) - 1));
-        const auto hi_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(hi[r] - j0, -1, jn)));
-        const auto sink_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(sink[r] - j0, 0, jn)));
+        const auto lo_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(k.lo - j0, -1, jn) - 1));
+        const auto hi_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(k.hi - j0, -1, jn)));
+        const auto sink_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(k.sink_hi - j0, 0, jn)));
         for (size_t kv = 0; kv < kBlockVecs; ++kv) {
           const auto j = hn::Iota(di, static_cast<int32_t>(kv * N));
           const auto vis = hn::Or(hn::And(hn::Lt(lo_rel, j), hn::Lt(j, hi_rel)), hn::Lt(j, sink_rel));
@@ -391,7 +383,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     // N) has P = 0 in that row, and 0 times a non-finite value is NaN. For such blocks the rows'
     // outputs are kept; a row the passes leave not finite is redone by VisibleOutput.
     bool partial = false;
-    for (int64_t r = 0; r < R && !partial; ++r) partial = !((lo[r] <= j0 && hi[r] >= j0 + jn) || sink[r] >= j0 + jn);
+    for (int64_t r = 0; r < R && !partial; ++r) partial = !seen[r].covers(j0, j0 + jn);
     if (partial) std::copy(o, o + R * static_cast<int64_t>(dvp), saved);
 #if MHA_DECODE_DOTS
     if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
@@ -444,89 +436,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       if (std::all_of(orow, orow + Dv, [](float x) { return std::isfinite(x); })) continue;
       std::copy(saved + r * static_cast<int64_t>(dvp), saved + (r + 1) * static_cast<int64_t>(dvp), orow);
       decode::VisibleOutput(d, s + r * static_cast<int64_t>(block), kv, vrows, Dv, j0, static_cast<size_t>(jn),
-                            KeyRange{lo[r], hi[r], sink[r]}, alpha[r], orow);
+                            seen[r], alpha[r], orow);
     }
-  }
-}
-
-// out[c] = o[c] / l for c < Dv, rounded to the output's type; whether any quotient is not finite.
-template <typename T>
-HWY_INLINE bool StoreQuotients(DF d, const float* o, float l, size_t Dv, T* HWY_RESTRICT out) {
-  const size_t N = hn::Lanes(d);
-  auto bad = hn::FirstN(d, 0);  // lanes whose quotient is not finite
-  for (size_t c = 0; c < Dv; c += N) {
-    const size_t n = std::min(N, Dv - c);
-    const auto x = hn::Div(hn::LoadU(d, o + c), hn::Set(d, l));
-    StoreFromFloat(d, x, n, out + c);
-    bad = hn::Or(bad, hn::AndNot(hn::IsFinite(x), hn::FirstN(d, n)));
-  }
-  return !hn::AllFalse(d, bad);
-}
-
-// Merges the chunks of (b, hk) in order and writes out and lse.
-void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const float* o, const float* m,
-           const float* l, size_t dvp) {
-  double* acc = Workspace::local().get<double>(Workspace::kDecodeMerge, static_cast<size_t>(p.head_dim_v));
-  const int64_t R = p.group() * p.q_len;
-  const DecodeRows rows{R};
-  for (int64_t r = 0; r < R; ++r) {
-    float mx = kNegInf;
-    for (int64_t s = 0; s < parts; ++s) mx = std::max(mx, m[s * R + r]);
-    const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
-    const int64_t out = b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-    if (parts == 1 && !p.sinks && p.out_stride[3] == 1 && std::isfinite(m[r]) && std::isfinite(l[r]) && l[r] > 0.0f) {
-      // One chunk and a finite row: the general code's weight is exp2(0) = 1 and its quotient
-      // in double, rounded to float, is the float quotient (both correctly rounded): the same
-      // bits, without the double accumulator (a sixth of a small call's time, measured).
-      const float* orow = o + r * static_cast<int64_t>(dvp);
-      const size_t Dv = static_cast<size_t>(p.head_dim_v);
-      bool nonfinite;
-      switch (p.dtype) {
-        case DType::kBF16: nonfinite = StoreQuotients(DF(), orow, l[r], Dv, static_cast<bfloat16*>(p.out) + out); break;
-        case DType::kF16: nonfinite = StoreQuotients(DF(), orow, l[r], Dv, static_cast<float16*>(p.out) + out); break;
-        default: nonfinite = StoreQuotients(DF(), orow, l[r], Dv, static_cast<float*>(p.out) + out); break;
-      }
-      if (p.lse) {
-        p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
-            static_cast<float>(m[r] + std::log(static_cast<double>(l[r])));
-      }
-      if (nonfinite && p.kv_bits == 0 && !p.block_table) attention_ref_output_row(p, b, h, i);
-      continue;
-    }
-    double sum = 0.0;
-    std::fill(acc, acc + p.head_dim_v, 0.0);
-    if (p.sinks) {  // the sink's term joins the denominator once, in the merge
-      const float sink = sink_logit(p, h);
-      mx = std::max(mx, sink);
-      sum = std::exp2((static_cast<double>(sink) - mx) * kLog2e);
-    }
-    if (mx != kNegInf) {
-      for (int64_t s = 0; s < parts; ++s) {
-        if (l[s * R + r] == 0.0f) continue;  // this chunk saw nothing of the row
-        const double w = std::exp2((static_cast<double>(m[s * R + r]) - mx) * kLog2e);
-        sum += l[s * R + r] * w;
-        for (int64_t c = 0; c < p.head_dim_v; ++c) acc[c] += o[(s * R + r) * static_cast<int64_t>(dvp) + c] * w;
-      }
-    }
-    bool nan_score = false;  // a NaN score of the row reaches l (never m: max drops NaN)
-    for (int64_t s = 0; s < parts; ++s) nan_score |= std::isnan(l[s * R + r]);
-    const bool masked = sum == 0.0f && !nan_score;
-    bool nonfinite = nan_score;
-    for (int64_t c = 0; c < p.head_dim_v; ++c) {
-      const float x = masked ? 0.0f : static_cast<float>(acc[c] / sum);
-      store_element(p.out, out + c * p.out_stride[3], x, p.dtype);
-      nonfinite |= !std::isfinite(x);
-    }
-    if (p.lse) {
-      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
-          nan_score ? std::numeric_limits<float>::quiet_NaN()
-          : masked  ? kNegInf
-                    : static_cast<float>(mx + std::log(sum));
-    }
-    // As in the forward: a non-finite value must reach only the rows that attend to it. (Cache
-    // storage read in place — quantized codes, paged pools — has no layout the reference reads:
-    // there a non-finite value stays in the rows that read it; a quantized group is NaN anyway.)
-    if (nonfinite && p.kv_bits == 0 && !p.block_table) attention_ref_output_row(p, b, h, i);
   }
 }
 
