@@ -206,6 +206,45 @@ TEST(ScoreVariants, SinkTokensEqualTheirKeepMask) {
                {"sink_tokens = 2", "window > 0"});
 }
 
+// KeyRange (the keys a row sees: causal alignment, window, sink tokens, key_lengths) against its
+// own visible(): covers(a, b) must hold exactly when every key of [a, b) is visible, for the
+// ranges visible_keys gives and for them clipped to a chunk [k0, k1) as the decode kernel clips
+// them (it skips the softmax's mask and the saving of outputs on covers).
+TEST(ScoreVariants, KeyRangeCoversExactlyItsVisibleSpans) {
+  Rng rng(base_seed() + 146);
+  int64_t covered = 0, checked = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    kernels::AttentionParams p;
+    p.batch = 1;
+    p.q_len = rng.range(1, 6);
+    p.kv_len = rng.range(p.q_len, 40);
+    p.causal = trial % 3 == 0 ? Causal::kNone : trial % 3 == 1 ? Causal::kTopLeft : Causal::kBottomRight;
+    p.window = p.causal == Causal::kNone ? 0 : rng.range(0, 12);
+    p.sink_tokens = rng.range(0, 6);
+    int64_t length = rng.range(0, p.kv_len);  // key_lengths on two trials in five
+    if (trial % 5 < 2) p.key_lengths = &length;
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      const kernels::KeyRange full = kernels::visible_keys(p, 0, i);
+      const int64_t k0 = rng.range(0, p.kv_len - 1), k1 = rng.range(k0 + 1, p.kv_len);
+      const kernels::KeyRange chunk{std::max(full.lo, k0), std::min(full.hi, k1), std::min(full.sink_hi, k1)};
+      for (const kernels::KeyRange& k : {full, chunk}) {
+        for (int64_t a = 0; a < p.kv_len; ++a) {
+          for (int64_t b = a + 1; b <= p.kv_len; ++b) {
+            bool all = true;
+            for (int64_t j = a; j < b; ++j) all = all && k.visible(j);
+            ASSERT_EQ(k.covers(a, b), all) << "trial " << trial << " keys [" << a << ", " << b << ") of range {"
+                                           << k.lo << ", " << k.hi << ", " << k.sink_hi << "}";
+            covered += all;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(covered, checked / 20);  // the check met both answers often
+  EXPECT_LT(covered, checked - checked / 20);
+}
+
 TEST(ScoreVariants, BadArgumentsAreErrors) {
   Rng rng(base_seed() + 143);
   const Tensor q = random_tensor(rng, {1, 4, 3, 8}), k = random_tensor(rng, {1, 2, 5, 8}),
