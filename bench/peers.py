@@ -193,6 +193,29 @@ def onnxruntime_gqa_decode(q, k, v, quant):
     return run, lambda: run()[0].reshape(1, 1, Hq, D).transpose(0, 2, 1, 3)
 
 
+def openvino_decode(q, k, v, precision):
+    """OpenVINO's ScaledDotProductAttention op decoding one token over the cache k, v (Hkv, L, D)
+    as float32 tensors: the G = Hq / Hkv query heads of a kv head as G query rows of one head
+    (no mask: the same attention, without repeating K and V per query head). The op's own GQA
+    form, K and V broadcast over a query-head axis, ran 85 ms where this runs 70 (f32, 2
+    threads). precision: the plugin's inference precision ("f32", or "bf16": K and V converted
+    inside each call). Inputs are shared, not copied."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    Hq, D = q.shape[1], q.shape[3]
+    Hkv, L = k.shape[0], k.shape[1]
+    shapes = ([1, Hkv, Hq // Hkv, D], [1, Hkv, L, D], [1, Hkv, L, D])
+    params = [ops.parameter(shape, ov.Type.f32) for shape in shapes]
+    model = ov.Model([ops.scaled_dot_product_attention(*params, causal=False)], params)
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": precision,
+                                                      "INFERENCE_NUM_THREADS": THREADS})
+    request = compiled.create_infer_request()
+    inputs = [np.ascontiguousarray(x.reshape(s).numpy()) for x, s in zip((q, k, v), shapes)]
+    run = lambda: request.infer(inputs, share_inputs=True)  # noqa: E731
+    return run, lambda: np.array(run()[0]).reshape(1, Hq, 1, D)
+
+
 def decode_table(args):
     """One decoding step (GQA 32/8, D = 128, 32768 positions: a 256 MiB float32 cache) from mha's
     caches of every storage type against torch SDPA over the cache as float32 (a torch user's
@@ -226,6 +249,17 @@ def decode_table(args):
         lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
                      f"{seconds / base:.2f} | {rel_error(run().float().numpy(), want):.1e} |")
         print(lines[-1], flush=True)
+    for name, precision in (("OpenVINO SDPA float32", "f32"), ("OpenVINO SDPA, bf16 inference", "bf16")):
+        try:
+            run, result = openvino_decode(q, k, v, precision)
+        except Exception as e:  # noqa: BLE001 — a peer without the feature is a row saying so
+            lines.append(f"| {name} | — | not available: {str(e)[:80]} | | | |")
+            continue
+        seconds = median_seconds(run, args.seconds)
+        nbytes = 2 * k.numel() * 4
+        lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
+                     f"{seconds / base:.2f} | {rel_error(result(), want):.1e} |")
+        print(lines[-1], flush=True)
     for name, quant in (("ORT GroupQueryAttention float32", False), ("ORT GroupQueryAttention int8", True)):
         try:
             run, result = onnxruntime_gqa_decode(q, k, v, quant)
@@ -238,7 +272,8 @@ def decode_table(args):
                      f"{seconds / base:.2f} | {rel_error(result(), want):.1e} |")
         print(lines[-1], flush=True)
     note = (f"\nOne decoding step, GQA {Hq}/{Hkv}, D = {D}, {L} positions; mha through PagedKvCache.attend (one "
-            f"sequence, pages of 256); torch over the cache as float32/bfloat16 tensors (a dequantized cache); ONNX "
+            f"sequence, pages of 256); torch over the cache as float32/bfloat16 tensors (a dequantized cache); OpenVINO's "
+            f"ScaledDotProductAttention op over the float32 cache (a kv head's query heads as its query rows); ONNX "
             f"Runtime's GroupQueryAttention also copies past to present on each call (no IO binding). {THREADS} "
             f"threads; torch {torch.__version__}.\n")
     return "\n".join(lines) + "\n" + note
@@ -252,7 +287,7 @@ def main():
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--json", default=None, help="also write GFLOP/s per shape and column here (plot_peers.py)")
     parser.add_argument("--backward", action="store_true", help="only the forward+backward table (mha vs torch)")
-    parser.add_argument("--decode", action="store_true", help="only the decoding table (cache types vs torch)")
+    parser.add_argument("--decode", action="store_true", help="only the decoding table (cache types vs torch, OpenVINO, ORT)")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     if args.backward or args.decode:

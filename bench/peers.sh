@@ -4,7 +4,8 @@
 # openvino, onnxruntime, onnx) next to the cached torch 2.x environment of scripts/py-env.sh.
 #   bench/peers.sh [--seconds S] [--markdown FILE] [--json FILE] [--plot PNG] [--backward] [--decode]
 # --backward: forward + backward through autograd instead (mha vs torch, fp32/bf16/fp16).
-# --decode: one decoding step from mha's caches of every type against torch SDPA.
+# --decode: one decoding step from mha's caches of every type against torch SDPA, OpenVINO's SDPA
+# op and ONNX Runtime's GroupQueryAttention.
 # --plot draws the --json results (bench/plot_peers.py; matplotlib goes into build/peer-pkgs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
