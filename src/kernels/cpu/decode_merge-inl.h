@@ -1,7 +1,8 @@
 // The end of a decode step (flash_decode.cc): the partial results (O, m, l) of a (batch, kv
 // head)'s chunks merged in chunk order through their log-sum-exp, in double, and the rows written
 // out, divided by their sums (StoreQuotients when one chunk needs no merge), with the log-sum-exp
-// and the reference's redo of a non-finite row where the cache's layout allows one.
+// and the reference's redo of a non-finite row where the cache's layout allows one; and which
+// query head and query a task's row is (DecodeRows).
 #if defined(MHA_KERNELS_CPU_DECODE_MERGE_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_MERGE_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_MERGE_INL_H_
@@ -34,7 +35,6 @@ struct DecodeRows {
   int64_t query(const AttentionParams& p, int64_t r) const { return r % p.q_len; }
 };
 
-
 // out[c] = o[c] / l for c < Dv, rounded to the output's type; whether any quotient is not finite.
 template <typename T>
 HWY_INLINE bool StoreQuotients(DF d, const float* o, float l, size_t Dv, T* HWY_RESTRICT out) {
@@ -51,7 +51,7 @@ HWY_INLINE bool StoreQuotients(DF d, const float* o, float l, size_t Dv, T* HWY_
 
 // Merges the chunks of (b, hk) in order and writes out and lse.
 inline void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts, const float* o, const float* m,
-           const float* l, size_t dvp) {
+                  const float* l, size_t dvp) {
   double* acc = Workspace::local().get<double>(Workspace::kDecodeMerge, static_cast<size_t>(p.head_dim_v));
   const int64_t R = p.group() * p.q_len;
   const DecodeRows rows{R};
