@@ -175,9 +175,11 @@ TEST(ScoreVariants, FullyMaskedRowWithSinksGivesZeros) {
 TEST(ScoreVariants, SinkTokensEqualTheirKeepMask) {
   Rng rng(base_seed() + 145);
   const int64_t B = 2, H = 2, D = 16;
-  for (int64_t T : {int64_t{1}, int64_t{9}, int64_t{150}}) {
+  for (int64_t T : {int64_t{1}, int64_t{9}, int64_t{150}, int64_t{700}}) {
     for (int64_t Tq : {T, int64_t{1}}) {  // prefill (flash kernel) and the last row alone (decode kernel)
-      const int64_t W = 7, S = 3, Tk = T;
+      // At 700 keys, 300 sink tokens: the decode kernel's first two blocks of 128 keys lie wholly
+      // in the sinks (no mask), the third partly, then the gap and the window.
+      const int64_t W = 7, S = T == 700 ? 300 : 3, Tk = T;
       const Tensor q = random_tensor(rng, {B, H, Tq, D}), k = random_tensor(rng, {B, H, Tk, D}),
                    v = random_tensor(rng, {B, H, Tk, D});
       Tensor keep(DType::kU8, {Tq, Tk});
