@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 namespace mha::test {
 
@@ -25,7 +27,11 @@ float Rng::normal() {
   return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
 }
 
-int64_t Rng::range(int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(next() % (hi - lo + 1)); }
+int64_t Rng::range(int64_t lo, int64_t hi) {
+  // An empty range is a bug in the test that asks for it (its draws would be garbage).
+  if (lo > hi) throw std::logic_error("Rng::range(" + std::to_string(lo) + ", " + std::to_string(hi) + "): lo > hi");
+  return lo + static_cast<int64_t>(next() % static_cast<uint64_t>(hi - lo + 1));
+}
 
 Tensor random_tensor(Rng& rng, std::vector<int64_t> shape, float scale) {
   Tensor t(DType::kF32, std::move(shape));
