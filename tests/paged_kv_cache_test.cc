@@ -35,6 +35,7 @@ View<const float> rows4(const Tensor& x, int64_t t0, int64_t n) {
 
 TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
   Rng rng(base_seed() + 1000);
+  int outlier_checks = 0;
   for (CacheType type : kTypes) {
     for (int trial = 0; trial < 6; ++trial) {
       PagedKvCacheConfig pc;
@@ -67,12 +68,14 @@ TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
           for (int64_t t = 0; t < L; ++t) ks.back().data<float>()[t * pc.head_dim_qk + 5] *= 20;
       }
       // Append in chunks, interleaving the sequences (pages of different sequences mix).
+      std::vector<int64_t> first(static_cast<size_t>(S), 0);  // each sequence's first chunk
       for (bool more = true; more;) {
         more = false;
         for (int64_t s = 0; s < S; ++s) {
           const int64_t L = ks[s].shape()[1], at = paged.length(ids[s]);
           if (at == L) continue;
           const int64_t c = std::min(L - at, rng.range(1, 90));
+          if (at == 0) first[s] = c;
           paged.append(ids[s], rows(ks[s], at, c), rows(vs[s], at, c));
           alone[s].append(rows4(ks[s], at, c), rows4(vs[s], at, c));
           more = true;
@@ -96,7 +99,12 @@ TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
           const std::vector<int64_t>& po = paged.key_outlier_channels(ids[s]);
           const View<const int64_t> ao = alone[s].key_outlier_channels();
           EXPECT_EQ(po, std::vector<int64_t>(ao.data, ao.data + ao.numel()));
-          if (trial % 2 == 0) EXPECT_NE(std::find(po.begin(), po.end(), 5), po.end());
+          // The first append picks them: from 16 positions on, a channel 20× larger is always
+          // found (its rms against 4× the median's); from a few, one small draw can hide it.
+          if (trial % 2 == 0 && first[s] >= 16) {
+            EXPECT_NE(std::find(po.begin(), po.end(), 5), po.end());
+            ++outlier_checks;
+          }
         }
         const View<const float> qs(q.data<float>() + s * Hq * n * pc.head_dim_qk, {1, Hq, n, pc.head_dim_qk});
         Tensor want(DType::kF32, {1, Hq, n, pc.head_dim_v});
@@ -115,6 +123,7 @@ TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
       }
     }
   }
+  EXPECT_GE(outlier_checks, 4);
 }
 
 TEST(PagedKvCache, ForkSharesPagesAndCopiesOnWrite) {
