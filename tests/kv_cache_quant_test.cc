@@ -361,8 +361,10 @@ INSTANTIATE_TEST_SUITE_P(Targets, QuantDecode, ::testing::ValuesIn(kernel_cases(
 
 // The int4 value pass exactly, on problems where every path's roundings are exact: value rows
 // whose groups each hold a 0 and a 15 (scale 1, minimum 0: the values are their codes, exact in
-// bfloat16 too) and attention weights of exactly 1 and 0 (a query 100× one key of ±1 entries:
-// every other score is more than 104 below, so its exp underflows). Each query head then reads
+// bfloat16 too) and attention weights of exactly 1 and 0 (a query 100× one key of ±1 entries,
+// the keys drawn at least 4 signs apart: every other score is then 100 · 2 · 4 / √32 ≈ 141 or
+// more below, and its exp underflows; keys 1 or 2 signs apart, which random keys were at some
+// seeds, left weights of 1e-45). Each query head then reads
 // its target key's value row exactly, whether the value pass runs float FMAs or bfloat16 dot
 // products on key pairs: every position of three blocks is a target in turn (both keys of a
 // pair, the odd last key of a partial block, value heads of 40 columns: a partial group). A
@@ -380,7 +382,18 @@ TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
     KvCache cache(c);
     Rng rng(base_seed() + 805);
     Tensor k(DType::kF32, {1, 1, L, Dk}), v(DType::kF32, {1, 1, L, Dv});
-    for (int64_t i = 0; i < k.numel(); ++i) k.data<float>()[i] = rng.coin() ? 1.0f : -1.0f;
+    for (int64_t t = 0; t < L; ++t) {
+      float* row = k.data<float>() + t * Dk;
+      for (bool near = true; near;) {  // redrawn until at least 4 signs from every earlier key
+        for (int64_t e = 0; e < Dk; ++e) row[e] = rng.coin() ? 1.0f : -1.0f;
+        near = false;
+        for (int64_t u = 0; u < t && !near; ++u) {
+          int64_t apart = 0;
+          for (int64_t e = 0; e < Dk; ++e) apart += row[e] != k.data<float>()[u * Dk + e];
+          near = apart < 4;
+        }
+      }
+    }
     for (int64_t t = 0; t < L; ++t)
       for (int64_t e = 0; e < Dv; ++e)
         v.view<float>().at(0, 0, t, e) = static_cast<float>(e % 32 == 0 ? 0 : e % 32 == 1 ? 15 : rng.range(0, 15));
