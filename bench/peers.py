@@ -249,25 +249,18 @@ def decode_table(args):
         lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
                      f"{seconds / base:.2f} | {rel_error(run().float().numpy(), want):.1e} |")
         print(lines[-1], flush=True)
-    for name, precision in (("OpenVINO SDPA float32", "f32"), ("OpenVINO SDPA, bf16 inference", "bf16")):
+    peers = [("OpenVINO SDPA float32", lambda: openvino_decode(q, k, v, "f32"), 4),
+             ("OpenVINO SDPA, bf16 inference", lambda: openvino_decode(q, k, v, "bf16"), 4),
+             ("ORT GroupQueryAttention float32", lambda: onnxruntime_gqa_decode(q, k, v, False), 4),
+             ("ORT GroupQueryAttention int8", lambda: onnxruntime_gqa_decode(q, k, v, True), 1)]
+    for name, make, element_bytes in peers:
         try:
-            run, result = openvino_decode(q, k, v, precision)
+            run, result = make()
         except Exception as e:  # noqa: BLE001 — a peer without the feature is a row saying so
             lines.append(f"| {name} | — | not available: {str(e)[:80]} | | | |")
             continue
         seconds = median_seconds(run, args.seconds)
-        nbytes = 2 * k.numel() * 4
-        lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
-                     f"{seconds / base:.2f} | {rel_error(result(), want):.1e} |")
-        print(lines[-1], flush=True)
-    for name, quant in (("ORT GroupQueryAttention float32", False), ("ORT GroupQueryAttention int8", True)):
-        try:
-            run, result = onnxruntime_gqa_decode(q, k, v, quant)
-        except Exception as e:  # noqa: BLE001 — a peer without the feature is a row saying so
-            lines.append(f"| {name} | — | not available: {str(e)[:80]} | | | |")
-            continue
-        seconds = median_seconds(run, args.seconds)
-        nbytes = 2 * k.numel() * (1 if quant else 4)
+        nbytes = 2 * k.numel() * element_bytes
         lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
                      f"{seconds / base:.2f} | {rel_error(result(), want):.1e} |")
         print(lines[-1], flush=True)
