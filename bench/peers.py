@@ -265,10 +265,10 @@ def decode_table(args):
                      f"{seconds / base:.2f} | {rel_error(result(), want):.1e} |")
         print(lines[-1], flush=True)
     note = (f"\nOne decoding step, GQA {Hq}/{Hkv}, D = {D}, {L} positions; mha through PagedKvCache.attend (one "
-            f"sequence, pages of 256); torch over the cache as float32/bfloat16 tensors (a dequantized cache); OpenVINO's "
-            f"ScaledDotProductAttention op over the float32 cache (a kv head's query heads as its query rows); ONNX "
-            f"Runtime's GroupQueryAttention also copies past to present on each call (no IO binding). {THREADS} "
-            f"threads; torch {torch.__version__}.\n")
+            f"sequence, pages of 256); torch over the cache as float32/bfloat16 tensors (a dequantized cache); "
+            f"OpenVINO's ScaledDotProductAttention op over the float32 cache (a kv head's query heads as its query "
+            f"rows); ONNX Runtime's GroupQueryAttention also copies past to present on each call (no IO binding). "
+            f"{THREADS} threads; torch {torch.__version__}.\n")
     return "\n".join(lines) + "\n" + note
 
 
@@ -280,7 +280,8 @@ def main():
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--json", default=None, help="also write GFLOP/s per shape and column here (plot_peers.py)")
     parser.add_argument("--backward", action="store_true", help="only the forward+backward table (mha vs torch)")
-    parser.add_argument("--decode", action="store_true", help="only the decoding table (cache types vs torch, OpenVINO, ORT)")
+    parser.add_argument("--decode", action="store_true",
+                        help="only the decoding table (cache types vs torch, OpenVINO, ORT)")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     if args.backward or args.decode:
