@@ -1,0 +1,206 @@
+// int4 KV caches read exactly where every path's roundings are exact (values, key scores), and
+// the error of int8/int4 caches against a float32 cache on random and outlier-heavy keys
+// (docs/numerics.md, "KV cache storage"; issue 13's accuracy target). The stored format and the
+// decode kernel against the float32 kernel: kv_cache_quant_test.cc.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/flash.h"
+#include "mha/kv_cache.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+// The int4 value pass exactly, on problems where every path's roundings are exact: value rows
+// whose groups each hold a 0 and a 15 (scale 1, minimum 0: the values are their codes, exact in
+// bfloat16 too) and attention weights of exactly 1 and 0 (a query 100× one key of ±1 entries,
+// the keys drawn at least 4 signs apart: every other score is then 100 · 2 · 4 / √32 ≈ 141 or
+// more below, and its exp underflows; keys 1 or 2 signs apart, which random keys were at some
+// seeds, left weights of 1e-45). Each query head then reads
+// its target key's value row exactly, whether the value pass runs float FMAs or bfloat16 dot
+// products on key pairs: every position of three blocks is a target in turn (both keys of a
+// pair, the odd last key of a partial block, value heads of 40 columns: a partial group). A
+// query of zeros then attends uniformly: the mean of integers, exact in float32 sums, which a
+// dropped or doubled key would move by ~1/L. The 2^-6 bound of QuantDecode catches such a key
+// only while it is a large share of the output (short sequences).
+TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
+  constexpr int64_t G = 6, L = 301, Dk = 32;
+  for (int64_t Dv : {40, 128}) {
+    KvCacheConfig c;
+    c.kv_heads = 1;
+    c.head_dim_qk = Dk;
+    c.head_dim_v = Dv;
+    c.dtype = CacheType::kInt4;
+    KvCache cache(c);
+    Rng rng(base_seed() + 805);
+    Tensor k(DType::kF32, {1, 1, L, Dk}), v(DType::kF32, {1, 1, L, Dv});
+    for (int64_t t = 0; t < L; ++t) {
+      float* row = k.data<float>() + t * Dk;
+      for (bool near = true; near;) {  // redrawn until at least 4 signs from every earlier key
+        for (int64_t e = 0; e < Dk; ++e) row[e] = rng.coin() ? 1.0f : -1.0f;
+        near = false;
+        for (int64_t u = 0; u < t && !near; ++u) {
+          int64_t apart = 0;
+          for (int64_t e = 0; e < Dk; ++e) apart += row[e] != k.data<float>()[u * Dk + e];
+          near = apart < 4;
+        }
+      }
+    }
+    for (int64_t t = 0; t < L; ++t)
+      for (int64_t e = 0; e < Dv; ++e)
+        v.view<float>().at(0, 0, t, e) = static_cast<float>(e % 32 == 0 ? 0 : e % 32 == 1 ? 15 : rng.range(0, 15));
+    cache.append(k.view<float>(), v.view<float>());
+    const Tensor stored = cache.values_as_float();  // (1, 1, capacity >= L, Dv)
+    for (int64_t t = 0; t < L; ++t)                 // the values are their codes
+      for (int64_t e = 0; e < Dv; ++e) ASSERT_EQ(stored.view<float>().at(0, 0, t, e), v.view<float>().at(0, 0, t, e));
+    const Tensor keys = cache.keys_as_float();
+    for (bool dots : {true, false}) {
+      kernels::allow_decode_dot_products(dots);
+      SCOPED_TRACE("Dv " + std::to_string(Dv) + (dots ? ", dot products where the CPU has them" : ", float path"));
+      Tensor q(DType::kF32, {1, G, 1, Dk}), out(DType::kF32, {1, G, 1, Dv});
+      for (int64_t t0 = 0; t0 < L; t0 += G) {
+        for (int64_t h = 0; h < G; ++h)
+          for (int64_t e = 0; e < Dk; ++e)
+            q.view<float>().at(0, h, 0, e) = 100.0f * keys.view<float>().at(0, 0, std::min(t0 + h, L - 1), e);
+        attend(q.view<float>(), cache, out.view<float>());
+        for (int64_t h = 0; h < G; ++h)
+          for (int64_t e = 0; e < Dv; ++e)
+            ASSERT_EQ(out.view<float>().at(0, h, 0, e), v.view<float>().at(0, 0, std::min(t0 + h, L - 1), e))
+                << "target key " << std::min(t0 + h, L - 1) << ", column " << e;
+      }
+      std::fill(q.data<float>(), q.data<float>() + q.numel(), 0.0f);
+      attend(q.view<float>(), cache, out.view<float>());
+      for (int64_t e = 0; e < Dv; ++e) {
+        double sum = 0;
+        for (int64_t t = 0; t < L; ++t) sum += v.view<float>().at(0, 0, t, e);
+        for (int64_t h = 0; h < G; ++h)
+          ASSERT_EQ(out.view<float>().at(0, h, 0, e), static_cast<float>(sum / L)) << "column " << e;
+      }
+    }
+    kernels::allow_decode_dot_products(true);
+  }
+}
+
+// The int4 keys' scores exactly, on problems where every path's roundings are exact, so that
+// an error of the key pass short of QuantDecode's 2^-4 (a score off by 1%, say) still shows. Key
+// t's channel c is (t + c) mod 16: every channel holds the same values (key channel scales all
+// 8, no outlier channel) and every group of a key holds 0 and 15 (codes = the values, scale 1/8
+// of the stored k/8, minimum 0); query entries are integers of [-127, 127] with one of ±127 and
+// the scale is 2^-10. The 8-bit query of the dot products is then the integers themselves, and
+// both paths' scores are the exact Σ q·k / 1024 (integer sums far below 2^24, times powers of
+// two). Values are their codes too. So the float path gives softmax(s)·V to float32 rounding
+// (16u allowed), and the dot products to within their value pass's rounding of P to bfloat16,
+// 2^-8 of each term, all terms positive (2^-8 · (1 + 2^-10) allowed). A score off by 1% moves
+// P by ~4% here (scores spread over ±7).
+TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
+  constexpr int64_t G = 4, L = 45, D = 64;
+  KvCacheConfig c;
+  c.kv_heads = 1;
+  c.head_dim_qk = c.head_dim_v = D;
+  c.dtype = CacheType::kInt4;
+  KvCache cache(c);
+  Rng rng(base_seed() + 806);
+  Tensor k(DType::kF32, {1, 1, L, D}), v(DType::kF32, {1, 1, L, D});
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t e = 0; e < D; ++e) {
+      k.view<float>().at(0, 0, t, e) = static_cast<float>((t + e) % 16);
+      v.view<float>().at(0, 0, t, e) = static_cast<float>((3 * t + 5 * e) % 16);
+    }
+  cache.append(k.view<float>(), v.view<float>());
+  const Tensor keys = cache.keys_as_float(), values = cache.values_as_float();
+  for (int64_t t = 0; t < L; ++t)  // stored exactly
+    for (int64_t e = 0; e < D; ++e) {
+      ASSERT_EQ(keys.view<float>().at(0, 0, t, e), k.view<float>().at(0, 0, t, e));
+      ASSERT_EQ(values.view<float>().at(0, 0, t, e), v.view<float>().at(0, 0, t, e));
+    }
+  Tensor q(DType::kF32, {1, G, 1, D}), out(DType::kF32, {1, G, 1, D});
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t e = 0; e < D; ++e)
+      q.view<float>().at(0, h, 0, e) = e == h ? (h % 2 ? -127.0f : 127.0f) : static_cast<float>(rng.range(-127, 127));
+  AttentionOptions options;
+  options.scale = 1.0f / 1024;
+  const NaiveResult want = naive_attention({q.view<float>(), k.view<float>(), v.view<float>()}, options);
+  for (bool dots : {false, true}) {
+    kernels::allow_decode_dot_products(dots);
+    SCOPED_TRACE(dots ? "dot products where the CPU has them" : "float path");
+    const bool bf16_values = dots && kernels::decode_bf16_dots();
+    attend(q.view<float>(), cache, out.view<float>(), options);
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t e = 0; e < D; ++e) {
+        const double w = want.out[static_cast<size_t>(h * D + e)];
+        const double tol = bf16_values ? w / 256 * (1 + 1.0 / 1024) : 16 * w / (1 << 24) + 1e-30;
+        ASSERT_NEAR(out.view<float>().at(0, h, 0, e), w, tol) << "head " << h << ", column " << e;
+      }
+  }
+  kernels::allow_decode_dot_products(true);
+}
+
+// The error of decoding from a quantized cache against a float32 cache of the same keys and
+// values: GQA 4:1, D = 128, 1024 positions, 1024 query rows per case (4 draws of K and V, 32
+// steps of 8 rows each); per-row relative error ‖o − o32‖ / ‖o32‖, its 99th percentile. (Of the
+// 128 rows this test first had, that is the third largest: 1.003e-2 for int8 at one seed, where
+// 8192 rows give 8.6e-3 and 9.1e-3.) Keys random, or with 4 outlier channels 20× larger (as real
+// keys have). Bounds: int8 ≤ 1e-2 on both (issue 13's target; measured 8.3–8.9e-3 /
+// 8.7–9.4e-3 over twelve seeds); int4 ≤ 0.2 (0.14–0.16). With the outlier channels left in
+// their groups, outlier-heavy keys measured 1.2e-2 (int8) and 0.22 (int4) on 128 rows; without
+// the key channel scales too, 6.4e-2 and 1.27. docs/numerics.md, "KV cache storage".
+double p99_error(CacheType type, bool outliers, uint64_t seed) {
+  KvCacheConfig c;
+  c.batch = 1;
+  c.kv_heads = 2;
+  c.head_dim_qk = c.head_dim_v = 128;
+  const int64_t L = 1024, G = 4;
+  Rng rng(seed);
+  std::vector<double> errors;
+  for (int draw = 0; draw < 4; ++draw) {
+    Tensor k = random_tensor(rng, {1, 2, L, 128});
+    const Tensor v = random_tensor(rng, {1, 2, L, 128});
+    if (outliers)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t t = 0; t < L; ++t)
+          for (int64_t e : {7, 30, 64, 101}) k.view<float>().at(0, h, t, e) *= 20;
+    KvCacheConfig qc = c;
+    qc.dtype = type;
+    KvCache f32(c), quant(qc);
+    f32.append(k.view<float>(), v.view<float>());
+    quant.append(k.view<float>(), v.view<float>());
+    for (int step = 0; step < 32; ++step) {
+      const Tensor q = random_tensor(rng, {1, 2 * G, 1, 128});
+      Tensor a(DType::kF32, {1, 2 * G, 1, 128}), b(DType::kF32, {1, 2 * G, 1, 128});
+      attend(q.view<float>(), f32, a.view<float>());
+      attend(q.view<float>(), quant, b.view<float>());
+      for (int64_t r = 0; r < 2 * G; ++r) {
+        double num = 0, den = 0;
+        for (int64_t e = 0; e < 128; ++e) {
+          const double x = a.view<float>().at(0, r, 0, e), y = b.view<float>().at(0, r, 0, e);
+          num += (y - x) * (y - x);
+          den += x * x;
+        }
+        errors.push_back(std::sqrt(num / den));
+      }
+    }
+  }
+  std::sort(errors.begin(), errors.end());
+  return errors[static_cast<size_t>(0.99 * static_cast<double>(errors.size() - 1))];
+}
+
+TEST(KvCacheQuantAccuracy, AgainstAFloat32Cache) {
+  for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) {
+    for (bool outliers : {false, true}) {
+      const double e = p99_error(type, outliers, base_seed() + 803);
+      std::printf("%s cache, %s keys: p99 relative error %.2e\n", cache_type_name(type),
+                  outliers ? "outlier-heavy" : "random", e);
+      const double bound = type == CacheType::kInt8 ? 1e-2 : 0.2;
+      EXPECT_LE(e, bound);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mha::test
