@@ -7,6 +7,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
+#include <vector>
 
 #include "util/check.h"
 #include "util/parallel.h"
@@ -39,6 +40,25 @@ void for_each_tile(int64_t M, int64_t N, int num_threads, const F& f) {
     const int64_t m0 = (t / tiles_n) * kTileRows, n0 = (t % tiles_n) * kTileCols;
     f(m0, n0, std::min(kTileRows, M - m0), std::min(kTileCols, N - n0));
   });
+}
+
+// Whether this oneDNN has a bf16 matmul on this CPU: 2.6 has one only from AVX-512 up (its
+// AVX2 build of the primitive is missing), so AVX2 machines widen to float32 (linear_bf16).
+bool bf16_matmul_available() {
+  static const bool available = [] {
+    using dt = dnnl::memory::data_type;
+    try {
+      const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+      const dnnl::memory::desc src({2, 32}, dt::bf16, dnnl::memory::dims{32, 1});
+      const dnnl::memory::desc wei({32, 2}, dt::bf16, dnnl::memory::dims{1, 32});
+      const dnnl::memory::desc dst({2, 2}, dt::f32, dnnl::memory::dims{2, 1});
+      dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), engine);
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return available;
 }
 
 void check_shapes(const RowMatrix& x, const RowMatrix& w) {
@@ -118,7 +138,16 @@ void linear_bf16(Bf16RowMatrix x, Bf16RowMatrix w, const float* bias, float* y, 
   static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   for_each_tile(M, N, num_threads, [&](int64_t m0, int64_t n0, int64_t m, int64_t n) {
     float* c = y + m0 * ldy + n0;
-    if (K > 0) {
+    if (K > 0 && !bf16_matmul_available()) {
+      // No bf16 matmul here: the tile's rows widened to float32 (exactly) and one sgemm, whose
+      // products are those of the bf16 matmul (exact in float32) and its sums float32 as well.
+      std::vector<float> xf(static_cast<size_t>(m * K)), wf(static_cast<size_t>(n * K));
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < K; ++i) xf[static_cast<size_t>(r * K + i)] = to_float(x.data[(m0 + r) * x.row_stride + i]);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t i = 0; i < K; ++i) wf[static_cast<size_t>(r * K + i)] = to_float(w.data[(n0 + r) * w.row_stride + i]);
+      gemm(false, true, m, n, K, xf.data(), K, wf.data(), K, 0.0f, c, ldy, 1);
+    } else if (K > 0) {
       SingleThreadedBlas single;  // before the primitive is made: oneDNN sizes its blocking by the threads
       try {
         // y tile (m × n) = x rows (m × K) · wᵀ, the weight read as a (K × n) matrix with strides (1, ldw).

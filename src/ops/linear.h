@@ -37,7 +37,9 @@ void linear_backward(RowMatrix x, RowMatrix w, const float* dy, int64_t lddy, fl
 
 // bfloat16 rows: x (N, in) and w (out, in), products accumulated in float32 into y (float32),
 // plus bias. On oneDNN's bf16 matmul (vdpbf16ps where the CPU has AVX512-BF16), tiled as
-// linear(): the same bits for any thread count.
+// linear(): the same bits for any thread count. Where oneDNN has no bf16 matmul for the CPU
+// (AVX2 machines), each tile is widened to float32 and multiplied by sgemm: the same exact
+// products, float32 sums in sgemm's order.
 struct Bf16RowMatrix {
   const bfloat16* data;
   int64_t rows, cols, row_stride;
