@@ -241,7 +241,7 @@ INSTANTIATE_TEST_SUITE_P(Types, KvCacheQuant, ::testing::Values(CacheType::kInt8
 // kernel it is compared with rounds too: on the SCALAR target its scores are one chain of D
 // products (≤ γ_D, about √D·u of the same sum). The test allows 128u (over seven seeds, measured ≤ 41u
 // on the SIMD targets and ≤ 74u on SCALAR, with D = 128, an outlier channel and sink tokens).
-// With 8-bit integer dot products (AVX-512 VNNI) the
+// With integer dot products (AVX-512 VNNI; AVX2's vpmaddubsw / vpmaddwd: the same integer sums) the
 // query is rounded to 16 bits first for int8 keys, which moves scores by ~1e-5 of their scale and
 // the output about as much (measured ≤ 1644u = 9.8e-5 over seven seeds): that case allows 2^-12, 4× that. For int4
 // keys the query is rounded to 8 bits, a step 256× as large: the output moves ~256× as much
@@ -253,7 +253,8 @@ INSTANTIATE_TEST_SUITE_P(Types, KvCacheQuant, ::testing::Values(CacheType::kInt8
 struct KernelCase {
   std::string target;
   CacheType type;
-  bool dots;  // the AVX3 target with dot products (integer for keys, bfloat16 for int4 values) where the CPU has them
+  bool dots;  // dot products where the CPU has them (integer for keys, on AVX3 bfloat16 for int4 values)
+  bool vnni = true;  // AVX3: false takes the AVX2 integer path, as a CPU without AVX-512 VNNI does
 };
 
 class QuantDecode : public ::testing::TestWithParam<KernelCase> {
@@ -261,10 +262,12 @@ class QuantDecode : public ::testing::TestWithParam<KernelCase> {
   void SetUp() override {
     kernels::force_simd_target(GetParam().target);
     kernels::allow_decode_dot_products(GetParam().dots);
+    kernels::allow_decode_avx512_vnni(GetParam().vnni);
   }
   void TearDown() override {
     kernels::force_simd_target("");
     kernels::allow_decode_dot_products(true);
+    kernels::allow_decode_avx512_vnni(true);
   }
 };
 
@@ -346,9 +349,11 @@ std::vector<KernelCase> kernel_cases() {
   std::vector<KernelCase> cases;
   for (const std::string& t : kernels::simd_targets())
     for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) {
-      const bool dots = t == "AVX3" && (kernels::decode_int8_dots() || kernels::decode_bf16_dots());
+      const bool dots = (t == "AVX3" && (kernels::decode_int8_dots() || kernels::decode_bf16_dots())) ||
+                        (t == "AVX2" && kernels::decode_int8_dots());
       cases.push_back({t, type, dots});
-      if (dots) cases.push_back({t, type, false});  // the AVX3 target's float path too
+      if (dots) cases.push_back({t, type, false});  // the target's float path too
+      if (t == "AVX3" && kernels::decode_avx512_vnni()) cases.push_back({t, type, true, false});
     }
   return cases;
 }
@@ -356,7 +361,7 @@ std::vector<KernelCase> kernel_cases() {
 INSTANTIATE_TEST_SUITE_P(Targets, QuantDecode, ::testing::ValuesIn(kernel_cases()),
                          [](const ::testing::TestParamInfo<KernelCase>& info) {
                            return info.param.target + (info.param.dots ? "_dots_" : "_") +
-                                  cache_type_name(info.param.type);
+                                  (info.param.vnni ? "" : "avx2_") + cache_type_name(info.param.type);
                          });
 
 // step() over quantized caches: chunked prefill (more than 16 rows per kv head: the dequantized

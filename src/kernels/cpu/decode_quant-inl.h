@@ -1,12 +1,15 @@
 // The parts of the decode kernel (flash_decode.cc) with dot-product instructions or their own
-// layout: int8/int4 key tiles scored with float FMAs on every target (TileScores) or with 8-bit
-// integer dot products (TileDots, on a query rounded to 16 or 8 bits by QueryDots), an int4 cache's
-// values with bfloat16 dot products (Int4Output, on weights rounded by PairWeights), and bfloat16
-// keys with bfloat16 dot products (Bf16Scores, on the query's words from QueryBf16). The dot products
-// are AVX-512 VNNI / BF16 intrinsics in functions compiled for those features on top of the AVX3
-// target's flags (Highway 1.0 has no 8-bit or bfloat16 dot product op; docs/ARCHITECTURE.md); the
-// kernel takes them where the CPU has them (decode_int8_dots(), decode_bf16_dots()):
-// MHA_DECODE_DOTS says whether this target has them at all.
+// layout: int8/int4 key tiles scored with float FMAs on every target (TileScores) or with integer
+// dot products on a query rounded to 16 or 8 bits by QueryDots (TileDots: AVX-512 VNNI;
+// TileDots256: AVX2's vpmaddubsw / vpmaddwd, on the AVX2 target and on AVX3 CPUs without VNNI;
+// the same integer sums), an int4 cache's values with bfloat16 dot products (Int4Output, on
+// weights rounded by PairWeights), and bfloat16 keys with bfloat16 dot products (Bf16Scores, on
+// the query's words from QueryBf16). The dot products are intrinsics: AVX-512 VNNI / BF16 ones in
+// functions compiled for those features on top of the AVX3 target's flags (Highway 1.0 has no
+// 8-bit or bfloat16 dot product op; docs/ARCHITECTURE.md), AVX2 ones in the AVX2 and AVX3
+// targets' own code. The kernel takes them where the CPU has them (decode_int8_dots(),
+// decode_avx512_vnni(), decode_bf16_dots()): MHA_DECODE_INT_DOTS says whether this target has
+// the integer ones at all, MHA_DECODE_DOTS whether it has the AVX-512 ones.
 #if defined(MHA_KERNELS_CPU_DECODE_QUANT_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_QUANT_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_QUANT_INL_H_
@@ -17,6 +20,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "hwy/highway.h"
@@ -77,6 +81,133 @@ HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size
   for (size_t r = 0; r < RT; ++r) hn::Store(acc[r], d, s + r * lds);
 }
 
+#undef MHA_DECODE_INT_DOTS
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+// The query rows of TileDots and TileDots256, each rounded to integers q ≈ qscale[r] · code:
+// kBytes (int4 keys): 8-bit codes (|·| ≤ 127), packed 4 channels (bytes) to a word of qh;
+// kSplit (int8 keys, VNNI): 16-bit codes 256·h + l (|·| ≤ 127·256, h ∈ [-127, 127], l ∈ [-128,
+// 127]), h's bytes in qh and l's in ql, as kBytes packs them; kHalves (int8 keys, AVX2): the same
+// 16-bit codes whole, 2 channels to a word of qh (a row's 2 · ldw words, ql unused). A row's words
+// start at r · ldw for bytes, r · 2 · ldw for halves (ldw = ldq / 4). False if a row has a value
+// that is not finite (the float path then keeps its NaN).
+enum class QueryForm { kBytes, kSplit, kHalves };
+inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, QueryForm form, int32_t* qh, int32_t* ql,
+                      float* qscale) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<int8_t, decltype(di)> d8;
+  const hn::Rebind<int16_t, decltype(di)> d16;
+  const size_t N = hn::Lanes(d);
+  const float top_code = form == QueryForm::kBytes ? 127.0f : 32512.0f;  // 127 or 127 · 256
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = q + r * static_cast<int64_t>(ldq);
+    auto top = hn::Zero(d);
+    for (size_t c = 0; c < ldq; c += N) {
+      const auto v = hn::Load(d, x + c);
+      if (!hn::AllTrue(d, hn::IsFinite(v))) return false;
+      top = hn::Max(top, hn::Abs(v));
+    }
+    const float t = hn::GetLane(hn::MaxOfLanes(d, top));
+    qscale[r] = t > 0.0f ? t / top_code : 1.0f;
+    const auto inv = hn::Set(d, 1.0f / qscale[r]);
+    const auto limit = hn::Set(di, static_cast<int32_t>(top_code));
+    // Bytes in channel order: byte k of word w is channel 4w + k (little-endian words); halves
+    // likewise, half k of word w channel 2w + k.
+    auto* h8 = reinterpret_cast<int8_t*>(qh + r * static_cast<int64_t>(ldq / 4));
+    auto* l8 = reinterpret_cast<int8_t*>(ql + r * static_cast<int64_t>(ldq / 4));
+    auto* h16 = reinterpret_cast<int16_t*>(qh + r * static_cast<int64_t>(ldq / 2));
+    for (size_t c = 0; c < ldq; c += N) {
+      auto v = hn::NearestInt(hn::Mul(hn::Load(d, x + c), inv));
+      v = hn::Min(hn::Max(v, hn::Neg(limit)), limit);
+      if (form == QueryForm::kBytes) {
+        hn::StoreU(hn::DemoteTo(d8, v), d8, h8 + c);
+      } else if (form == QueryForm::kHalves) {
+        hn::StoreU(hn::DemoteTo(d16, v), d16, h16 + c);
+      } else {
+        const auto h = hn::ShiftRight<8>(hn::Add(v, hn::Set(di, 128)));  // ⌊(v + 128) / 256⌋
+        const auto l = hn::Sub(v, hn::ShiftLeft<8>(h));
+        hn::StoreU(hn::DemoteTo(d8, h), d8, h8 + c);
+        hn::StoreU(hn::DemoteTo(d8, l), d8, l8 + c);
+      }
+    }
+  }
+  return true;
+}
+
+// TileScores with the 8-bit and 16-bit integer products of AVX2, for the 8 keys of a tile from
+// lane0 (0 or 8; the AVX3 target takes this where its CPU has no VNNI, a call per half tile).
+// The integer sums are TileDots's, exactly; then scaled as there. int4 keys: vpmaddubsw multiplies
+// the codes (unsigned bytes) by QueryDots's bytes (kBytes) and adds pairs into 16-bit lanes, with
+// no saturation: a group's 8 products per lane stay within 8 · 15 · 127 = 15240 per nibble half,
+// 30480 for both; vpmaddwd then adds the lane pairs into a key's 32-bit sum. int8 keys: the codes
+// widened to 16 bits meet the 16-bit query (kHalves) in vpmaddwd, two channels a lane, and a
+// vphaddd joins a key's two lanes (|Σ| ≤ 32 · 255 · 32512 < 2^31, as in TileDots).
+template <int kBits, size_t RT>
+HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t lane0, size_t groups,
+                            const int32_t* qw, size_t ldw, const float* qscale, const float* qsum, const float* qo,
+                            size_t nout, float* s, size_t lds) {
+  constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile), kWordBytes = static_cast<size_t>(kCacheKeyTileBytes);
+  constexpr size_t kWords = static_cast<size_t>(kCacheQuantGroup) * kBits / 32;  // tile words per group
+  // Query words per group: 8 of bytes (int4), 16 of halves (int8).
+  constexpr size_t kGroupWords = static_cast<size_t>(kCacheQuantGroup) / (kBits == 4 ? 4 : 2);
+  static_assert(kCacheQuantGroup == 32 && kCacheKeyTile == 16, "4 int4 words or 8 int8 words per group");
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[RT];
+  for (size_t r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  for (size_t g = 0; g < groups; ++g) {
+    __m256i sum[RT];
+    if constexpr (kBits == 4) {
+      __m256i pairs[RT];  // 16-bit pair sums of the group's products
+      for (size_t r = 0; r < RT; ++r) pairs[r] = _mm256_setzero_si256();
+      for (size_t w = 0; w < kWords; ++w) {  // low nibbles: channels 8w .. 8w + 3; high: 8w + 4 .. 8w + 7
+        const uint8_t* p = codes + (g * kWords + w) * kWordBytes + lane0 * 4;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        const __m256i lo = _mm256_and_si256(x, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), nibble);
+        const size_t q0 = g * kGroupWords + 2 * w;
+        for (size_t r = 0; r < RT; ++r) {
+          const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(qw[r * ldw + q0]));
+          const __m256i b = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(qw[r * ldw + q0 + 1]));
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_add_epi16(a, b));
+        }
+      }
+      for (size_t r = 0; r < RT; ++r) sum[r] = _mm256_madd_epi16(pairs[r], ones);
+    } else {
+      __m256i a[RT], b[RT];  // keys 0-3 and 4-7: two 32-bit lanes a key
+      for (size_t r = 0; r < RT; ++r) a[r] = b[r] = _mm256_setzero_si256();
+      for (size_t w = 0; w < kWords; ++w) {  // channels 4w .. 4w + 3 of the group
+        const uint8_t* x = codes + (g * kWords + w) * kWordBytes + lane0 * 4;
+        const __m256i xa = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+        const __m256i xb = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16)));
+        for (size_t r = 0; r < RT; ++r) {
+          int64_t pair;  // the query's channels 4w .. 4w + 3: two words
+          std::memcpy(&pair, qw + r * ldw + g * kGroupWords + 2 * w, sizeof pair);
+          const __m256i qq = _mm256_set1_epi64x(pair);
+          a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(xa, qq));
+          b[r] = _mm256_add_epi32(b[r], _mm256_madd_epi16(xb, qq));
+        }
+      }
+      // vphaddd within 128-bit halves gives keys 0, 1, 4, 5 | 2, 3, 6, 7; vpermq puts them in order.
+      for (size_t r = 0; r < RT; ++r) sum[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[r], b[r]), 0xD8);
+    }
+    const __m256 step = _mm256_loadu_ps(scales + 2 * g * kTile + lane0);
+    const __m256 lo = _mm256_loadu_ps(scales + (2 * g + 1) * kTile + lane0);
+    for (size_t r = 0; r < RT; ++r) {
+      acc[r] = _mm256_fmadd_ps(lo, _mm256_set1_ps(qsum[r * groups + g]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(step, _mm256_set1_ps(qscale[r])), acc[r]);
+    }
+  }
+  for (size_t i = 0; i < nout; ++i) {
+    const __m256 x = _mm256_loadu_ps(scales + (2 * groups + i) * kTile + lane0);
+    for (size_t r = 0; r < RT; ++r)
+      acc[r] = _mm256_fmadd_ps(x, _mm256_set1_ps(qo[r * static_cast<size_t>(kCacheKeyOutliers) + i]), acc[r]);
+  }
+  for (size_t r = 0; r < RT; ++r) _mm256_storeu_ps(s + r * lds, acc[r]);
+}
+
+#define MHA_DECODE_INT_DOTS 1
+#else
+#define MHA_DECODE_INT_DOTS 0
+#endif
+
 #undef MHA_DECODE_DOTS
 #if HWY_TARGET == HWY_AVX3
 // TileScores with 8-bit integer dot products (AVX-512 VNNI, checked at run time: the AVX3 target
@@ -134,48 +265,6 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
   }
   for (size_t r = 0; r < RT; ++r) _mm512_storeu_ps(s + r * lds, acc[r]);
 }
-// The query rows of TileDots: row r of q (ldq floats, a multiple of 4) as integers. wide (int8
-// keys): 16-bit, 256·h + l ≈ q / qscale[r] (|·| ≤ 127·256, so h ∈ [-127, 127], l ∈ [-128, 127]);
-// otherwise (int4 keys) 8-bit, h ≈ q / qscale[r] (|h| ≤ 127), l not written. h and l are packed 4
-// channels (bytes) to a word. False if a row has a value that is not finite (the float path then
-// keeps its NaN).
-inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, bool wide, int32_t* qh, int32_t* ql,
-                      float* qscale) {
-  const hn::RebindToSigned<DF> di;
-  const hn::Rebind<int8_t, decltype(di)> d8;
-  const size_t N = hn::Lanes(d);
-  const float top_code = wide ? 32512.0f : 127.0f;  // 127 · 256 or 127
-  for (int64_t r = 0; r < R; ++r) {
-    const float* x = q + r * static_cast<int64_t>(ldq);
-    auto top = hn::Zero(d);
-    for (size_t c = 0; c < ldq; c += N) {
-      const auto v = hn::Load(d, x + c);
-      if (!hn::AllTrue(d, hn::IsFinite(v))) return false;
-      top = hn::Max(top, hn::Abs(v));
-    }
-    const float t = hn::GetLane(hn::MaxOfLanes(d, top));
-    qscale[r] = t > 0.0f ? t / top_code : 1.0f;
-    const auto inv = hn::Set(d, 1.0f / qscale[r]);
-    const auto limit = hn::Set(di, static_cast<int32_t>(top_code));
-    // Bytes in channel order: byte k of word w is channel 4w + k (little-endian words).
-    auto* h8 = reinterpret_cast<int8_t*>(qh + r * static_cast<int64_t>(ldq / 4));
-    auto* l8 = reinterpret_cast<int8_t*>(ql + r * static_cast<int64_t>(ldq / 4));
-    for (size_t c = 0; c < ldq; c += N) {
-      auto v = hn::NearestInt(hn::Mul(hn::Load(d, x + c), inv));
-      v = hn::Min(hn::Max(v, hn::Neg(limit)), limit);
-      if (!wide) {
-        hn::StoreU(hn::DemoteTo(d8, v), d8, h8 + c);
-        continue;
-      }
-      const auto h = hn::ShiftRight<8>(hn::Add(v, hn::Set(di, 128)));  // ⌊(v + 128) / 256⌋
-      const auto l = hn::Sub(v, hn::ShiftLeft<8>(h));
-      hn::StoreU(hn::DemoteTo(d8, h), d8, h8 + c);
-      hn::StoreU(hn::DemoteTo(d8, l), d8, l8 + c);
-    }
-  }
-  return true;
-}
-
 // The value pass over an int4 cache with bfloat16 dot products (AVX-512 BF16, checked at run
 // time): keys in pairs (j, j + 1), so that one vdpbf16ps adds P_j·V_j[c] + P_{j+1}·V_{j+1}[c]
 // to column c's lane, 32 products per instruction where the float pass has 16 and a dequantizing

@@ -32,12 +32,17 @@ bool decode_applies(const AttentionParams& p);
 void flash_decode(const AttentionParams& p, int num_threads);
 std::string flash_decode_name();
 
-// Whether the decode kernel of the AVX3 target reads int8/int4 key tiles with 8-bit integer dot
-// products (AVX-512 VNNI), and an int4 cache's values with bfloat16 dot products (AVX-512 BF16):
-// where the CPU has them, unless turned off (tests reach the AVX3 target's float path so).
+// Whether the decode kernel reads int8/int4 key tiles with integer dot products (its AVX3 and AVX2
+// targets: AVX-512 VNNI, else AVX2's vpmaddubsw / vpmaddwd; decode_avx512_vnni() says which), and
+// an int4 cache's values with bfloat16 dot products (AVX3 target, AVX-512 BF16): where the CPU
+// has them, unless turned off (tests reach the targets' float paths so, and with
+// allow_decode_avx512_vnni(false) the AVX3 target's AVX2 integer path, which it takes on CPUs
+// without VNNI).
 bool decode_int8_dots();
+bool decode_avx512_vnni();
 bool decode_bf16_dots();
 void allow_decode_dot_products(bool allow);
+void allow_decode_avx512_vnni(bool allow);
 
 // SIMD targets compiled in and supported here, best first ("AVX3", "AVX2", "EMU128"), and a
 // way to restrict dispatch to one of them (tests, benchmarks); "" restores the default.

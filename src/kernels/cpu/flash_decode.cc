@@ -53,12 +53,16 @@ using decode::PlainKv;
 using decode::QuantKv;
 using decode::StagedScores;
 using decode::TileScores;
+#if MHA_DECODE_INT_DOTS
+using decode::QueryDots;
+using decode::QueryForm;
+using decode::TileDots256;
+#endif
 #if MHA_DECODE_DOTS
 using decode::Bf16Scores;
 using decode::Int4Output;
 using decode::PairWeights;
 using decode::QueryBf16;
-using decode::QueryDots;
 using decode::TileDots;
 #endif
 
@@ -179,20 +183,31 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     l[r] = 0.0f;
     std::fill(o + r * dvp, o + (r + 1) * dvp, 0.0f);
   }
+#if MHA_DECODE_INT_DOTS
+  // Integer dot products for the key tiles where the CPU has them: TileDots with AVX-512 VNNI,
+  // TileDots256 with AVX2 (decode_quant-inl.h). QueryDots rounds the query rows for them.
 #if MHA_DECODE_DOTS
-  // Integer dot products for the key tiles where the CPU has them (TileDots).
-  const size_t ldw = ldq / 4;
+  const bool vnni = decode_avx512_vnni();
+#else
+  constexpr bool vnni = false;
+#endif
+  const QueryForm form = !std::is_same_v<Kv, QuantKv<8>> ? QueryForm::kBytes
+                         : vnni                           ? QueryForm::kSplit
+                                                          : QueryForm::kHalves;
+  const size_t ldw = form == QueryForm::kHalves ? ldq / 2 : ldq / 4;  // words of a query row
   int32_t* qh = nullptr;
   int32_t* ql = nullptr;
   float qscale[kMaxDecodeRows];
   bool dots = false;
   if constexpr (Kv::kKeyTiles) {
     if (decode_int8_dots()) {
-      qh = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * ldw);
-      ql = qh + R * static_cast<int64_t>(ldw);
-      dots = QueryDots(d, qs, ldq, R, Kv::kCodeBits == 8, qh, ql, qscale);
+      qh = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * (ldq / 4));
+      ql = qh + R * static_cast<int64_t>(ldq / 4);
+      dots = QueryDots(d, qs, ldq, R, form, qh, ql, qscale);
     }
   }
+#endif
+#if MHA_DECODE_DOTS
   const size_t ldb = (D + 31) / 32 * 16;  // dwords of a query row's bfloat16 pairs
   uint32_t* qb = bf16_keys ? ws.get<uint32_t>(Workspace::kDecodeQueryWords, static_cast<size_t>(R) * ldb) : nullptr;
   if (bf16_keys) {
@@ -271,18 +286,34 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           const float* qg = qsum + r0 * static_cast<int64_t>(groups);
           const float* qr = qo + r0 * kOut;
           float* sr = s + r0 * static_cast<int64_t>(block) + static_cast<int64_t>(kb * N);
-#if MHA_DECODE_DOTS
+#if MHA_DECODE_INT_DOTS
           if (dots) {
             const int32_t* h = qh + r0 * static_cast<int64_t>(ldw);
-            const int32_t* l = ql + r0 * static_cast<int64_t>(ldw);
-            switch (std::min<int64_t>(kTileRows, R - r0)) {
+#if MHA_DECODE_DOTS
+            if (vnni) {
+              const int32_t* l = ql + r0 * static_cast<int64_t>(ldw);
+              switch (std::min<int64_t>(kTileRows, R - r0)) {
 #define MHA_TILE_DOTS(RT) \
   TileDots<kBits, RT>(tile.codes, tile.scales, groups, h, l, ldw, qscale + r0, qg, qr, nout, sr, block)
-              case 1: MHA_TILE_DOTS(1); break;
-              case 2: MHA_TILE_DOTS(2); break;
-              case 3: MHA_TILE_DOTS(3); break;
-              default: MHA_TILE_DOTS(kTileRows); break;
+                case 1: MHA_TILE_DOTS(1); break;
+                case 2: MHA_TILE_DOTS(2); break;
+                case 3: MHA_TILE_DOTS(3); break;
+                default: MHA_TILE_DOTS(kTileRows); break;
 #undef MHA_TILE_DOTS
+              }
+              continue;
+            }
+#endif
+            for (size_t x = 0; x < N; x += 8) {  // 8 keys a call
+              switch (std::min<int64_t>(kTileRows, R - r0)) {
+#define MHA_TILE_DOTS(RT) \
+  TileDots256<kBits, RT>(tile.codes, tile.scales, lane0 + x, groups, h, ldw, qscale + r0, qg, qr, nout, sr + x, block)
+                case 1: MHA_TILE_DOTS(1); break;
+                case 2: MHA_TILE_DOTS(2); break;
+                case 3: MHA_TILE_DOTS(3); break;
+                default: MHA_TILE_DOTS(kTileRows); break;
+#undef MHA_TILE_DOTS
+              }
             }
             continue;
           }

@@ -18,6 +18,7 @@ std::vector<std::string> simd_targets() {
 
 namespace {
 std::atomic<bool> dot_products_allowed{true};
+std::atomic<bool> vnni_allowed{true};
 }  // namespace
 
 // __builtin_cpu_supports takes a string literal, hence a macro; false off x86.
@@ -28,8 +29,16 @@ std::atomic<bool> dot_products_allowed{true};
 #endif
 
 bool decode_int8_dots() {
-  static const bool supported = MHA_CPU_SUPPORTS("avx512vnni");
+  // AVX2's vpmaddubsw / vpmaddwd where there is no VNNI: every x86 target the kernel has above
+  // SCALAR (AVX2, AVX3) has one of them.
+  static const bool supported = MHA_CPU_SUPPORTS("avx512vnni") || MHA_CPU_SUPPORTS("avx2");
   return supported && dot_products_allowed.load(std::memory_order_relaxed);
+}
+
+bool decode_avx512_vnni() {
+  static const bool supported = MHA_CPU_SUPPORTS("avx512vnni");
+  return supported && dot_products_allowed.load(std::memory_order_relaxed) &&
+         vnni_allowed.load(std::memory_order_relaxed);
 }
 
 bool decode_bf16_dots() {
@@ -38,6 +47,8 @@ bool decode_bf16_dots() {
 }
 
 void allow_decode_dot_products(bool allow) { dot_products_allowed.store(allow, std::memory_order_relaxed); }
+
+void allow_decode_avx512_vnni(bool allow) { vnni_allowed.store(allow, std::memory_order_relaxed); }
 
 void force_simd_target(const std::string& name) {
   if (name.empty()) {
