@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "kernels/cpu/flash.h"
+#include "ops/linear.h"
 #include "tools/commands.h"
 #include "util/parallel.h"
 
@@ -46,8 +47,11 @@ int run_info() {
   fmt::print("element types:     float32; bfloat16 and float16 widened to float32 as read, results rounded once\n");
   fmt::print("reference:         attention_ref_f64 (Backend::kReference)\n");
   const dnnl_version_t* v = dnnl_version();
-  fmt::print("projections:       oneDNN {}.{}.{} sgemm; bfloat16 modules: its bf16 matmul ({} threads by default)\n",
-             v->major, v->minor, v->patch, resolve_threads(0));
+  fmt::print("decoding:          {}\n", kernels::flash_decode_name());
+  fmt::print("projections:       oneDNN {}.{}.{} sgemm, {} threads by default; bfloat16 modules: {}\n", v->major,
+             v->minor, v->patch, resolve_threads(0),
+             ops::bf16_matmul_available() ? "its bf16 matmul"
+                                          : "widened to float32 for sgemm (this oneDNN has no bf16 matmul for this CPU)");
   return 0;
 }
 

@@ -42,8 +42,13 @@ void for_each_tile(int64_t M, int64_t N, int num_threads, const F& f) {
   });
 }
 
-// Whether this oneDNN has a bf16 matmul on this CPU: 2.6 has one only from AVX-512 up (its
-// AVX2 build of the primitive is missing), so AVX2 machines widen to float32 (linear_bf16).
+void check_shapes(const RowMatrix& x, const RowMatrix& w) {
+  MHA_CHECK(x.cols == w.cols, "linear: input has {} columns but the weight expects {} (weight ({}, {}))",
+            x.cols, w.cols, w.rows, w.cols);
+}
+
+}  // namespace
+
 bool bf16_matmul_available() {
   static const bool available = [] {
     using dt = dnnl::memory::data_type;
@@ -60,13 +65,6 @@ bool bf16_matmul_available() {
   }();
   return available;
 }
-
-void check_shapes(const RowMatrix& x, const RowMatrix& w) {
-  MHA_CHECK(x.cols == w.cols, "linear: input has {} columns but the weight expects {} (weight ({}, {}))",
-            x.cols, w.cols, w.rows, w.cols);
-}
-
-}  // namespace
 
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
           int64_t ldb, float beta, float* C, int64_t ldc, int num_threads) {

@@ -45,6 +45,9 @@ struct Bf16RowMatrix {
   int64_t rows, cols, row_stride;
 };
 void linear_bf16(Bf16RowMatrix x, Bf16RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads);
+// Whether this oneDNN has a bf16 matmul on this CPU: 2.6 has one only from AVX-512 up, so AVX2
+// machines take linear_bf16's float32 path.
+bool bf16_matmul_available();
 
 }  // namespace mha::ops
 

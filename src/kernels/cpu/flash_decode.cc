@@ -522,7 +522,19 @@ void FlashDecode(const AttentionParams& p, int num_threads) {
   }
 }
 
-std::string FlashDecodeName() { return std::string("flash_decode_f32_") + hwy::TargetName(HWY_TARGET); }
+// The kernel and, for the cache types with dot-product paths, which one runs on this CPU.
+std::string FlashDecodeName() {
+  std::string keys = "float FMAs", values = "float FMAs", bf16_keys = "widened to float";
+#if MHA_DECODE_INT_DOTS
+  if (decode_int8_dots()) keys = "AVX2 integer products";
+#endif
+#if MHA_DECODE_DOTS
+  if (decode_avx512_vnni()) keys = "AVX-512 VNNI";
+  if (decode_bf16_dots()) values = bf16_keys = "AVX-512 BF16 dot products";
+#endif
+  return std::string("flash_decode_f32_") + hwy::TargetName(HWY_TARGET) + " (int8/int4 keys: " + keys +
+         "; int4 values: " + values + "; bfloat16 keys: " + bf16_keys + ")";
+}
 
 }  // namespace mha::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
