@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "util/check.h"
+#include "util/convert.h"
 #include "util/parallel.h"
 
 namespace mha::ops {
@@ -140,10 +141,8 @@ void linear_bf16(Bf16RowMatrix x, Bf16RowMatrix w, const float* bias, float* y, 
       // No bf16 matmul here: the tile's rows widened to float32 (exactly) and one sgemm, whose
       // products are those of the bf16 matmul (exact in float32) and its sums float32 as well.
       std::vector<float> xf(static_cast<size_t>(m * K)), wf(static_cast<size_t>(n * K));
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < K; ++i) xf[static_cast<size_t>(r * K + i)] = to_float(x.data[(m0 + r) * x.row_stride + i]);
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t i = 0; i < K; ++i) wf[static_cast<size_t>(r * K + i)] = to_float(w.data[(n0 + r) * w.row_stride + i]);
+      for (int64_t r = 0; r < m; ++r) widen_to_f32(x.data + (m0 + r) * x.row_stride, DType::kBF16, &xf[r * K], K);
+      for (int64_t r = 0; r < n; ++r) widen_to_f32(w.data + (n0 + r) * w.row_stride, DType::kBF16, &wf[r * K], K);
       gemm(false, true, m, n, K, xf.data(), K, wf.data(), K, 0.0f, c, ldy, 1);
     } else if (K > 0) {
       SingleThreadedBlas single;  // before the primitive is made: oneDNN sizes its blocking by the threads
