@@ -117,6 +117,36 @@ HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
   for (size_t r0 = 0; r0 < rows; r0 += kRowGroup) f(r0, std::min(kRowGroup, rows - r0));
 }
 
+// f(std::integral_constant<size_t, RG>()) for RG = rg (1 ... kRowGroup, as ForRowGroups gives
+// them): the output passes take their row count as a template argument.
+template <class F>
+HWY_INLINE void WithRowGroup(size_t rg, const F& f) {
+  static_assert(kRowGroup == (HWY_TARGET <= HWY_AVX3 ? 6 : 2), "a case for each row count up to kRowGroup");
+  switch (rg) {
+    case 1: f(std::integral_constant<size_t, 1>()); break;
+#if HWY_TARGET <= HWY_AVX3
+    case 2: f(std::integral_constant<size_t, 2>()); break;
+    case 3: f(std::integral_constant<size_t, 3>()); break;
+    case 4: f(std::integral_constant<size_t, 4>()); break;
+    case 5: f(std::integral_constant<size_t, 5>()); break;
+#endif
+    default: f(std::integral_constant<size_t, kRowGroup>()); break;
+  }
+}
+
+// f(std::integral_constant<size_t, RT>()) for RT = min(rows, kTileRows): the key tile kernels
+// take their row count as a template argument (their accumulators are arrays of RT registers).
+template <class F>
+HWY_INLINE void WithTileRows(int64_t rows, const F& f) {
+  static_assert(kTileRows == 4, "a case for each row count up to kTileRows");
+  switch (std::min<int64_t>(kTileRows, rows)) {
+    case 1: f(std::integral_constant<size_t, 1>()); break;
+    case 2: f(std::integral_constant<size_t, 2>()); break;
+    case 3: f(std::integral_constant<size_t, 3>()); break;
+    default: f(std::integral_constant<size_t, kTileRows>()); break;
+  }
+}
+
 // Partial attention of rows of (b, hk) over keys [k0, k1): unnormalised O (rows × dvp), m, l.
 // Kv: how K and V are stored (PlainKv<T>, QuantKv<bits>).
 template <class Kv>
@@ -202,7 +232,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   if constexpr (Kv::kKeyTiles) {
     if (decode_int8_dots()) {
       qh = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * (ldq / 4));
-      ql = qh + R * static_cast<int64_t>(ldq / 4);
+      ql = form == QueryForm::kSplit ? qh + R * static_cast<int64_t>(ldq / 4) : nullptr;  // kSplit's low bytes
       dots = QueryDots(d, qs, ldq, R, form, qh, ql, qscale);
     }
   }
@@ -292,41 +322,26 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 #if MHA_DECODE_DOTS
             if (vnni) {
               const int32_t* l = ql + r0 * static_cast<int64_t>(ldw);
-              switch (std::min<int64_t>(kTileRows, R - r0)) {
-#define MHA_TILE_DOTS(RT) \
-  TileDots<kBits, RT>(tile.codes, tile.scales, groups, h, l, ldw, qscale + r0, qg, qr, nout, sr, block)
-                case 1: MHA_TILE_DOTS(1); break;
-                case 2: MHA_TILE_DOTS(2); break;
-                case 3: MHA_TILE_DOTS(3); break;
-                default: MHA_TILE_DOTS(kTileRows); break;
-#undef MHA_TILE_DOTS
-              }
+              WithTileRows(R - r0, [&](auto rt) {
+                TileDots<kBits, decltype(rt)::value>(tile.codes, tile.scales, groups, h, l, ldw, qscale + r0, qg, qr,
+                                                      nout, sr, block);
+              });
               continue;
             }
 #endif
             for (size_t x = 0; x < N; x += 8) {  // 8 keys a call
-              switch (std::min<int64_t>(kTileRows, R - r0)) {
-#define MHA_TILE_DOTS(RT) \
-  TileDots256<kBits, RT>(tile.codes, tile.scales, lane0 + x, groups, h, ldw, qscale + r0, qg, qr, nout, sr + x, block)
-                case 1: MHA_TILE_DOTS(1); break;
-                case 2: MHA_TILE_DOTS(2); break;
-                case 3: MHA_TILE_DOTS(3); break;
-                default: MHA_TILE_DOTS(kTileRows); break;
-#undef MHA_TILE_DOTS
-              }
+              WithTileRows(R - r0, [&](auto rt) {
+                TileDots256<kBits, decltype(rt)::value>(tile.codes, tile.scales, lane0 + x, groups, h, ldw,
+                                                        qscale + r0, qg, qr, nout, sr + x, block);
+              });
             }
             continue;
           }
 #endif
-          switch (std::min<int64_t>(kTileRows, R - r0)) {
-#define MHA_TILE_SCORES(RT) \
-  TileScores<kBits, RT>(d, tile.codes, tile.scales, lane0, groups, q, ldq, qg, qr, nout, sr, block)
-            case 1: MHA_TILE_SCORES(1); break;
-            case 2: MHA_TILE_SCORES(2); break;
-            case 3: MHA_TILE_SCORES(3); break;
-            default: MHA_TILE_SCORES(kTileRows); break;
-#undef MHA_TILE_SCORES
-          }
+          WithTileRows(R - r0, [&](auto rt) {
+            TileScores<kBits, decltype(rt)::value>(d, tile.codes, tile.scales, lane0, groups, q, ldq, qg, qr, nout, sr,
+                                                   block);
+          });
         }
       } else if constexpr (kStage) {
 #if MHA_DECODE_DOTS
@@ -432,33 +447,17 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
         if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
           if (pairs) {
             const uint32_t* w = pw + r0 * block / 2;
-            const size_t ju = static_cast<size_t>(jn);
-            switch (rg) {
-#define MHA_INT4_OUTPUT(RG) Int4OutputCols<RG>(w, block / 2, kv, vrows, c0, nc, ju, alpha + r0, oc, dvp, prefetch)
-              case 1: MHA_INT4_OUTPUT(1); break;
-              case 2: MHA_INT4_OUTPUT(2); break;
-              case 3: MHA_INT4_OUTPUT(3); break;
-              case 4: MHA_INT4_OUTPUT(4); break;
-              case 5: MHA_INT4_OUTPUT(5); break;
-              default: MHA_INT4_OUTPUT(kRowGroup); break;
-#undef MHA_INT4_OUTPUT
-            }
+            WithRowGroup(rg, [&](auto g) {
+              Int4OutputCols<decltype(g)::value>(w, block / 2, kv, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0,
+                                                  oc, dvp, prefetch);
+            });
             return;
           }
         }
 #endif
-        switch (rg) {
-          case 1: DecodeOutputCols<1>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
-#if HWY_TARGET <= HWY_AVX3
-          case 2: DecodeOutputCols<2>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
-          case 3: DecodeOutputCols<3>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
-          case 4: DecodeOutputCols<4>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
-          case 5: DecodeOutputCols<5>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch); break;
-#endif
-          default:
-            DecodeOutputCols<kRowGroup>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch);
-            break;
-        }
+        WithRowGroup(rg, [&](auto g) {
+          DecodeOutputCols<decltype(g)::value>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch);
+        });
       });
     }
     if (!partial) continue;
