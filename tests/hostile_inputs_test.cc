@@ -317,9 +317,9 @@ TEST(HostileSixteenBit, OverlapIsMeasuredInTheirBytes) {
 // Quantized caches near the float range: group scales stay finite (max/levels − min/levels),
 // dequantized values stay within half a step, attention over them stays finite on the targets
 // with fused multiply-add (every SIMD target here): minimum + scale·code is then one rounding.
-// The portable SCALAR target rounds scale·code first, which can overflow above ~1e36 (the
-// sanitizer builds of scripts/test.sh leave only it on a CPU without AVX-512), so the check
-// runs on each other target compiled in and supported here.
+// The portable SCALAR target rounds scale·code first, which can overflow above ~1e36 (where a
+// build has only it, say with MHA_SKIP_SIMD_TARGETS), so the check runs on each other target
+// compiled in and supported here.
 TEST(HostileCaches, QuantizedValuesNearTheFloatRange) {
   for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) {
     KvCacheConfig c;
