@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "kernels/cpu/flash.h"
+#include "kernels/cpu/linear_rows.h"
 #include "ops/linear.h"
 #include "tools/commands.h"
 #include "util/parallel.h"
@@ -48,10 +49,15 @@ int run_info() {
   fmt::print("reference:         attention_ref_f64 (Backend::kReference)\n");
   const dnnl_version_t* v = dnnl_version();
   fmt::print("decoding:          {}\n", kernels::flash_decode_name());
-  fmt::print("projections:       oneDNN {}.{}.{} sgemm, {} threads by default; bfloat16 modules: {}\n", v->major,
-             v->minor, v->patch, resolve_threads(0),
-             ops::bf16_matmul_available() ? "its bf16 matmul"
-                                          : "widened to float32 for sgemm (this oneDNN has no bf16 matmul for this CPU)");
+  fmt::print("projections:       oneDNN {}.{}.{} sgemm, {} threads by default; bfloat16 modules: {}; float16 "
+             "modules: weights widened to float32 for sgemm, up to {} rows read as stored (linear_rows16)\n",
+             v->major, v->minor, v->patch, resolve_threads(0),
+             ops::bf16_matmul_available()
+                 ? "its bf16 matmul"
+                 : fmt::format("widened to float32 for sgemm, up to {} rows read as stored (linear_rows16; this "
+                               "oneDNN has no bf16 matmul for this CPU)",
+                               kernels::kLinearRowsMax),
+             kernels::kLinearRowsMax);
   return 0;
 }
 

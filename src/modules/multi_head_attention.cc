@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "modules/multi_head_attention_internal.h"
+#include "kernels/cpu/linear_rows.h"
 #include "modules/positional.h"
 #include "ops/linear.h"
 #include "util/check.h"
@@ -291,9 +292,22 @@ void MultiHeadAttention::linear_rows(const void* w, int64_t w_rows, int64_t w_co
                  {static_cast<const float*>(w), w_rows, w_cols, w_cols}, b, y, ldy, options.num_threads);
       return;
     case DType::kBF16:
+      if (!ref && rows <= kernels::kLinearRowsMax && !ops::bf16_matmul_available()) {
+        // A decode step on a CPU without oneDNN's bf16 matmul: the weight read as stored.
+        kernels::linear_rows16(x, DType::kBF16, w_cols, rows, w, DType::kBF16, w_cols, w_rows, w_cols, b, y, ldy,
+                               options.num_threads);
+        return;
+      }
       if (!ref) {
         ops::linear_bf16({static_cast<const bfloat16*>(x), rows, w_cols, w_cols},
                          {static_cast<const bfloat16*>(w), w_rows, w_cols, w_cols}, b, y, ldy, options.num_threads);
+        return;
+      }
+      break;
+    case DType::kF16:
+      if (!ref && rows <= kernels::kLinearRowsMax) {  // a decode step: the weight read as stored
+        kernels::linear_rows16(x, DType::kF32, w_cols, rows, w, DType::kF16, w_cols, w_rows, w_cols, b, y, ldy,
+                               options.num_threads);
         return;
       }
       break;
