@@ -48,6 +48,18 @@ HWY_INLINE hn::Vec<DF> LoadAsFloat(DF d, const float16* p) {
 #endif
 }
 
+// The first n (< N) elements at p as floats, zeros after them; nothing past p + n is read.
+template <class DF>
+HWY_INLINE hn::Vec<DF> LoadTailAsFloat(DF d, const float* p, size_t n) {
+  return hn::MaskedLoad(hn::FirstN(d, n), d, p);
+}
+template <class DF, typename T>
+HWY_INLINE hn::Vec<DF> LoadTailAsFloat(DF d, const T* p, size_t n) {
+  HWY_ALIGN float tmp[hn::MaxLanes(DF())] = {};
+  for (size_t i = 0; i < n; ++i) tmp[i] = to_float(p[i]);
+  return hn::Load(d, tmp);
+}
+
 // The first n (<= N) lanes of v to p, rounded to p's type.
 template <class DF>
 HWY_INLINE void StoreFromFloat(DF d, hn::Vec<DF> v, size_t n, float* p) {

@@ -34,15 +34,6 @@ constexpr PrefetchTo kTo = PrefetchTo::kL2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The first n (< N) elements at p as floats, zeros after them.
-HWY_INLINE hn::Vec<DF> LoadTail(DF d, const float* p, size_t n) { return hn::MaskedLoad(hn::FirstN(d, n), d, p); }
-template <typename T>
-HWY_INLINE hn::Vec<DF> LoadTail(DF d, const T* p, size_t n) {
-  HWY_ALIGN float tmp[hn::MaxLanes(DF())] = {};
-  for (size_t i = 0; i < n; ++i) tmp[i] = to_float(p[i]);
-  return hn::Load(d, tmp);
-}
-
 // Element offset of key/value row j of one (batch, kv head) plane: j · row, or through the block
 // table of a paged pool (page stride `page`).
 struct RowOffset {
@@ -80,7 +71,7 @@ struct PlainKv {
   static constexpr size_t kColumnAlign = 1;
   static Row Columns(Row r, size_t c0) { return r + c0; }
   HWY_INLINE hn::Vec<DF> Load(DF d, Row r, size_t c) const { return LoadAsFloat(d, r + c); }
-  HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t n) const { return LoadTail(d, r + c, n); }
+  HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t n) const { return LoadTailAsFloat(d, r + c, n); }
   // Values [0, depth) of row r widened to float, zeros after them up to whole vectors, vector i
   // at dst + i·stride.
   HWY_INLINE void Stage(DF d, Row r, size_t depth, float* HWY_RESTRICT dst, size_t stride) const {

@@ -27,19 +27,6 @@ constexpr int64_t kWeightRows = 4;   // weight rows per pass: 4 accumulators per
 constexpr int64_t kRowsPerPass = 2;  // rows of x per pass: 8 accumulators (16 registers on AVX2)
 constexpr int64_t kTaskOutputs = 64;
 
-// The first n (< N) elements at p as floats, zeros after them.
-template <typename T>
-HWY_INLINE hn::Vec<DF> LoadTail(DF d, const T* p, size_t n) {
-  HWY_ALIGN float tmp[hn::MaxLanes(DF())] = {};
-  for (size_t i = 0; i < n; ++i) tmp[i] = to_float(p[i]);
-  return hn::Load(d, tmp);
-}
-HWY_INLINE hn::Vec<DF> LoadTail(DF d, const float* p, size_t n) {
-  HWY_ALIGN float tmp[hn::MaxLanes(DF())] = {};
-  std::copy(p, p + n, tmp);
-  return hn::Load(d, tmp);
-}
-
 // Outputs [n0, n0 + nw) (nw ≤ kWeightRows) of MR rows of x from row m0.
 template <size_t MR, typename TX, typename TW>
 HWY_INLINE void Pass(DF d, const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t n0, int64_t nw, int64_t K,
@@ -64,9 +51,9 @@ HWY_INLINE void Pass(DF d, const TX* x, int64_t ldx, const TW* w, int64_t ldw, i
   if (k < K) {
     const size_t tail = static_cast<size_t>(K - k);
     V xv[MR];
-    for (size_t m = 0; m < MR; ++m) xv[m] = LoadTail(d, x + static_cast<int64_t>(m) * ldx + k, tail);
+    for (size_t m = 0; m < MR; ++m) xv[m] = LoadTailAsFloat(d, x + static_cast<int64_t>(m) * ldx + k, tail);
     for (int64_t i = 0; i < kWeightRows; ++i) {
-      const V wv = LoadTail(d, wr[i] + k, tail);
+      const V wv = LoadTailAsFloat(d, wr[i] + k, tail);
       for (size_t m = 0; m < MR; ++m) acc[m][i] = hn::MulAdd(xv[m], wv, acc[m][i]);
     }
   }
