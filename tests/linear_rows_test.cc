@@ -5,6 +5,7 @@
 // a bias. Bound: the products are exact (bfloat16 · bfloat16) or one FMA rounding each, and K
 // terms are summed in some order, so |y − y_ref| ≤ (K + 1)·u · Σ_k |x·w| (u = 2^-24) plus the
 // bias addition's u·|y|; the test allows that and checks that the thread count leaves the bits.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/linear_rows.h"
 #include "mha/half.h"
+#include "ops/linear.h"
 #include "test_util.h"
 
 namespace mha {
@@ -80,6 +82,55 @@ TEST_P(LinearRows, MatchesTheDoubleProductWithinTheSummationBound) {
       }
   }
   EXPECT_GT(checked, 1000);
+}
+
+// ops::linear_widened, the tiled sgemm path of the same products for more rows (float16
+// modules' projections; bfloat16 ones where oneDNN has no bf16 matmul): shapes across the
+// 256 × 256 output tiles, the same bound, the same bits for 1 and 2 threads.
+TEST(LinearWidened, MatchesTheDoubleProductWithinTheSummationBound) {
+  Rng rng(base_seed() + 1102);
+  constexpr double u = 1.0 / (1 << 24);
+  for (int trial = 0; trial < 8; ++trial) {
+    const bool x16 = trial % 2 == 0;
+    const DType wt = trial % 4 < 2 ? DType::kBF16 : DType::kF16;
+    const int64_t M = rng.range(1, 300), N = rng.range(1, 300), K = trial == 7 ? 0 : rng.range(1, 80);
+    const int64_t ldx = K + rng.range(0, 3), ldw = K + rng.range(0, 3), ldy = N + rng.range(0, 3);
+    std::vector<float> xf(static_cast<size_t>(M * ldx)), wf(static_cast<size_t>(N * ldw)), bias(static_cast<size_t>(N));
+    std::vector<bfloat16> xb(xf.size()), wb(wf.size());
+    std::vector<float16> wh(wf.size());
+    for (size_t i = 0; i < xf.size(); ++i) {
+      xb[i] = to_bfloat16(rng.normal());
+      xf[i] = x16 ? to_float(xb[i]) : rng.normal();
+    }
+    for (size_t i = 0; i < wf.size(); ++i) {
+      wb[i] = to_bfloat16(rng.normal());
+      wh[i] = to_float16(rng.normal());
+      wf[i] = wt == DType::kBF16 ? to_float(wb[i]) : to_float(wh[i]);
+    }
+    for (float& b : bias) b = rng.normal();
+    const void* x = x16 ? static_cast<const void*>(xb.data()) : xf.data();
+    const void* w = wt == DType::kBF16 ? static_cast<const void*>(wb.data()) : wh.data();
+    std::vector<float> y(static_cast<size_t>(M * ldy), -7.0f), again = y;
+    ops::linear_widened(x, x16 ? DType::kBF16 : DType::kF32, ldx, M, w, wt, ldw, N, K, bias.data(), y.data(), ldy, 2);
+    ops::linear_widened(x, x16 ? DType::kBF16 : DType::kF32, ldx, M, w, wt, ldw, N, K, bias.data(), again.data(), ldy,
+                        1);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": M " + std::to_string(M) + " N " + std::to_string(N) + " K " +
+                 std::to_string(K));
+    EXPECT_EQ(y, again);
+    double worst = 0;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double want = bias[static_cast<size_t>(n)], mass = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const double p = static_cast<double>(xf[static_cast<size_t>(m * ldx + k)]) * wf[static_cast<size_t>(n * ldw + k)];
+          want += p;
+          mass += std::fabs(p);
+        }
+        const double err = std::fabs(y[static_cast<size_t>(m * ldy + n)] - want);
+        worst = std::max(worst, err / (static_cast<double>(K + 1) * u * mass + u * std::fabs(want) + 1e-30));
+      }
+    EXPECT_LE(worst, 1.0) << "error / bound";
+  }
 }
 
 TEST(LinearRowsErrors, NameTheArgument) {

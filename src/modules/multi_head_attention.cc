@@ -305,17 +305,19 @@ void MultiHeadAttention::linear_rows(const void* w, int64_t w_rows, int64_t w_co
       }
       break;
     case DType::kF16:
-      if (!ref && rows <= kernels::kLinearRowsMax) {  // a decode step: the weight read as stored
+      if (ref) break;
+      if (rows <= kernels::kLinearRowsMax) {  // a decode step: the weight read as stored
         kernels::linear_rows16(x, DType::kF32, w_cols, rows, w, DType::kF16, w_cols, w_rows, w_cols, b, y, ldy,
                                options.num_threads);
-        return;
+      } else {  // each tile of the weight widened as sgemm needs it
+        ops::linear_widened(x, DType::kF32, w_cols, rows, w, DType::kF16, w_cols, w_rows, w_cols, b, y, ldy,
+                            options.num_threads);
       }
-      break;
+      return;
     default:
       break;
   }
-  // Widened to float32: float16 weights on every path (x is float32 rows already), bfloat16
-  // weights and rows on the reference path.
+  // The reference path: the weights (and bfloat16 rows) widened to float32 whole.
   Tensor w32(DType::kF32, {w_rows, w_cols});
   widen_to_f32(w, config_.dtype, w32.data<float>(), w_rows * w_cols);
   Tensor x32;

@@ -128,23 +128,76 @@ void linear_backward(RowMatrix x, RowMatrix w, const float* dy, int64_t lddy, fl
   if (dx) gemm(false, false, N, in, out, dy, lddy, w.data, w.row_stride, 0.0f, dx, lddx, num_threads);
 }
 
+namespace {
+
+// Element size of the types linear_widened reads.
+int64_t element_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// The (m × n) tile of y at c (row stride ldy) = rows [m0, m0 + m) of x · rows [n0, n0 + n) of wᵀ,
+// K > 0, each operand widened to float32 into this thread's buffers unless it is float32
+// already; one single-threaded sgemm. No bias.
+void widened_tile(const void* x, DType x_type, int64_t ldx, const void* w, DType w_type, int64_t ldw, int64_t K,
+                  int64_t m0, int64_t n0, int64_t m, int64_t n, float* c, int64_t ldy) {
+  // Reused across calls: a fresh vector per tile faulted its pages in on every call.
+  thread_local std::vector<float> xf, wf;
+  const auto* xb = static_cast<const unsigned char*>(x);
+  const auto* wb = static_cast<const unsigned char*>(w);
+  const float* a = static_cast<const float*>(x) + m0 * ldx;
+  int64_t lda = ldx;
+  if (x_type != DType::kF32) {
+    xf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(xf.size()), m * K)));
+    for (int64_t r = 0; r < m; ++r)
+      widen_to_f32(xb + (m0 + r) * ldx * element_bytes(x_type), x_type, xf.data() + r * K, K);
+    a = xf.data();
+    lda = K;
+  }
+  wf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(wf.size()), n * K)));
+  for (int64_t r = 0; r < n; ++r)
+    widen_to_f32(wb + (n0 + r) * ldw * element_bytes(w_type), w_type, wf.data() + r * K, K);
+  gemm(false, true, m, n, K, a, lda, wf.data(), K, 0.0f, c, ldy, 1);
+}
+
+// Adds bias (or nothing) to the tile, zeroing it first when K = 0 (no product wrote it).
+void finish_tile(const float* bias, int64_t K, int64_t n0, int64_t m, int64_t n, float* c, int64_t ldy) {
+  for (int64_t r = 0; r < m; ++r) {
+    float* row = c + r * ldy;
+    for (int64_t o = 0; o < n; ++o) row[o] = (K > 0 ? row[o] : 0.0f) + (bias ? bias[n0 + o] : 0.0f);
+  }
+}
+
+}  // namespace
+
+void linear_widened(const void* x, DType x_type, int64_t ldx, int64_t M, const void* w, DType w_type, int64_t ldw,
+                    int64_t N, int64_t K, const float* bias, float* y, int64_t ldy, int num_threads) {
+  MHA_CHECK(x_type == DType::kF32 || x_type == DType::kBF16, "linear: x must be float32 or bfloat16, not {}",
+            dtype_name(x_type));
+  MHA_CHECK(w_type == DType::kBF16 || w_type == DType::kF16, "linear: w must be bfloat16 or float16, not {}",
+            dtype_name(w_type));
+  if (M == 0 || N == 0) return;
+  for_each_tile(M, N, num_threads, [&](int64_t m0, int64_t n0, int64_t m, int64_t n) {
+    float* c = y + m0 * ldy + n0;
+    if (K > 0) widened_tile(x, x_type, ldx, w, w_type, ldw, K, m0, n0, m, n, c, ldy);
+    finish_tile(bias, K, n0, m, n, c, ldy);
+  });
+}
+
 void linear_bf16(Bf16RowMatrix x, Bf16RowMatrix w, const float* bias, float* y, int64_t ldy, int num_threads) {
   MHA_CHECK(x.cols == w.cols, "linear: input has {} columns but the weight expects {} (weight ({}, {}))", x.cols,
             w.cols, w.rows, w.cols);
   const int64_t M = x.rows, N = w.rows, K = x.cols;
   if (M == 0 || N == 0) return;
+  if (!bf16_matmul_available()) {
+    // No bf16 matmul here: the tiles' rows widened to float32 (exactly) for sgemm, whose
+    // products are those of the bf16 matmul (exact in float32) and its sums float32 as well.
+    linear_widened(x.data, DType::kBF16, x.row_stride, M, w.data, DType::kBF16, w.row_stride, N, K, bias, y, ldy,
+                   num_threads);
+    return;
+  }
   using dt = dnnl::memory::data_type;
   static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   for_each_tile(M, N, num_threads, [&](int64_t m0, int64_t n0, int64_t m, int64_t n) {
     float* c = y + m0 * ldy + n0;
-    if (K > 0 && !bf16_matmul_available()) {
-      // No bf16 matmul here: the tile's rows widened to float32 (exactly) and one sgemm, whose
-      // products are those of the bf16 matmul (exact in float32) and its sums float32 as well.
-      std::vector<float> xf(static_cast<size_t>(m * K)), wf(static_cast<size_t>(n * K));
-      for (int64_t r = 0; r < m; ++r) widen_to_f32(x.data + (m0 + r) * x.row_stride, DType::kBF16, &xf[r * K], K);
-      for (int64_t r = 0; r < n; ++r) widen_to_f32(w.data + (n0 + r) * w.row_stride, DType::kBF16, &wf[r * K], K);
-      gemm(false, true, m, n, K, xf.data(), K, wf.data(), K, 0.0f, c, ldy, 1);
-    } else if (K > 0) {
+    if (K > 0) {
       SingleThreadedBlas single;  // before the primitive is made: oneDNN sizes its blocking by the threads
       try {
         // y tile (m × n) = x rows (m × K) · wᵀ, the weight read as a (K × n) matrix with strides (1, ldw).
@@ -162,10 +215,7 @@ void linear_bf16(Bf16RowMatrix x, Bf16RowMatrix w, const float* bias, float* y, 
                                 n, e.what()));
       }
     }
-    for (int64_t r = 0; r < m; ++r) {
-      float* row = c + r * ldy;
-      for (int64_t o = 0; o < n; ++o) row[o] = (K > 0 ? row[o] : 0.0f) + (bias ? bias[n0 + o] : 0.0f);
-    }
+    finish_tile(bias, K, n0, m, n, c, ldy);
   });
 }
 

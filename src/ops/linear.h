@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "mha/half.h"
+#include "mha/tensor.h"
 
 namespace mha::ops {
 
@@ -48,6 +49,15 @@ void linear_bf16(Bf16RowMatrix x, Bf16RowMatrix w, const float* bias, float* y, 
 // Whether this oneDNN has a bf16 matmul on this CPU: 2.6 has one only from AVX-512 up, so AVX2
 // machines take linear_bf16's float32 path.
 bool bf16_matmul_available();
+
+// y = x · wᵀ + bias for x of float32 or bfloat16 (rows at x + n·ldx) and w of bfloat16 or
+// float16 (rows at w + o·ldw), each tile's rows widened to float32 (exactly) into the thread's
+// buffers and multiplied by sgemm, tiled as linear(): the same bits for any thread count. The
+// float16 modules' projections (sgemm reads float32 only), where a whole widened copy of the
+// weight per call cost more than the product at 128 rows (docs/benchmarks.md), and
+// linear_bf16's path without a bf16 matmul.
+void linear_widened(const void* x, DType x_type, int64_t ldx, int64_t M, const void* w, DType w_type, int64_t ldw,
+                    int64_t N, int64_t K, const float* bias, float* y, int64_t ldy, int num_threads);
 
 }  // namespace mha::ops
 
