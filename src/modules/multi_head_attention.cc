@@ -8,8 +8,8 @@
 #include <optional>
 #include <type_traits>
 
-#include "modules/multi_head_attention_internal.h"
 #include "kernels/cpu/linear_rows.h"
+#include "modules/multi_head_attention_internal.h"
 #include "modules/positional.h"
 #include "ops/linear.h"
 #include "util/check.h"

@@ -89,7 +89,7 @@ HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size
 // 127]), h's bytes in qh and l's in ql, as kBytes packs them; kHalves (int8 keys, AVX2): the same
 // 16-bit codes whole, 2 channels to a word of qh (a row's 2 · ldw words, ql unused). A row's words
 // start at r · ldw for bytes, r · 2 · ldw for halves (ldw = ldq / 4). False if a row has a value
-// that is not finite (the float path then keeps its NaN).
+// that is not finite (the float path then keeps its NaN). ql may be null unless the form is kSplit.
 enum class QueryForm { kBytes, kSplit, kHalves };
 inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, QueryForm form, int32_t* qh, int32_t* ql,
                       float* qscale) {
@@ -113,7 +113,7 @@ inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, QueryForm for
     // Bytes in channel order: byte k of word w is channel 4w + k (little-endian words); halves
     // likewise, half k of word w channel 2w + k.
     auto* h8 = reinterpret_cast<int8_t*>(qh + r * static_cast<int64_t>(ldq / 4));
-    auto* l8 = reinterpret_cast<int8_t*>(ql + r * static_cast<int64_t>(ldq / 4));
+    auto* l8 = form == QueryForm::kSplit ? reinterpret_cast<int8_t*>(ql + r * static_cast<int64_t>(ldq / 4)) : nullptr;
     auto* h16 = reinterpret_cast<int16_t*>(qh + r * static_cast<int64_t>(ldq / 2));
     for (size_t c = 0; c < ldq; c += N) {
       auto v = hn::NearestInt(hn::Mul(hn::Load(d, x + c), inv));

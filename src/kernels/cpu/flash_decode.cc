@@ -321,7 +321,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
             const int32_t* h = qh + r0 * static_cast<int64_t>(ldw);
 #if MHA_DECODE_DOTS
             if (vnni) {
-              const int32_t* l = ql + r0 * static_cast<int64_t>(ldw);
+              const int32_t* l = ql ? ql + r0 * static_cast<int64_t>(ldw) : nullptr;  // int8 keys only
               WithTileRows(R - r0, [&](auto rt) {
                 TileDots<kBits, decltype(rt)::value>(tile.codes, tile.scales, groups, h, l, ldw, qscale + r0, qg, qr,
                                                       nout, sr, block);
