@@ -174,12 +174,17 @@ TEST(KvCacheAsFloat, SlotsPastTheStoredPositionsAreZerosAfterReset) {
   }
 }
 
-TEST_P(KvCacheQuant, NonFiniteValuesMakeTheirGroupNaN) {
+// One sequence, one kv head of 64 channels (two groups).
+KvCacheConfig one_head_of_64(CacheType type) {
   KvCacheConfig c;
   c.kv_heads = 1;
   c.head_dim_qk = c.head_dim_v = 64;
-  c.dtype = GetParam();
-  KvCache cache(c);
+  c.dtype = type;
+  return c;
+}
+
+TEST_P(KvCacheQuant, NonFiniteValuesMakeTheirGroupNaN) {
+  KvCache cache(one_head_of_64(GetParam()));
   Rng rng(base_seed() + 801);
   Tensor k = random_tensor(rng, {1, 1, 3, 64}), v = random_tensor(rng, {1, 1, 3, 64});
   for (int64_t t = 0; t < 3; ++t) k.view<float>().at(0, 0, t, 50) *= 40;  // an outlier channel
@@ -203,12 +208,7 @@ TEST_P(KvCacheQuant, NonFiniteValuesMakeTheirGroupNaN) {
 // clean call, docs/numerics.md: 2^-12 for int8 keys' 16-bit query, 256× that for int4 keys' 8-bit
 // query, whose rounding step is 256× as large).
 TEST_P(KvCacheQuant, NonFiniteQueriesReachOnlyTheirRows) {
-  KvCacheConfig c;
-  c.batch = 1;
-  c.kv_heads = 1;
-  c.head_dim_qk = c.head_dim_v = 64;
-  c.dtype = GetParam();
-  KvCache cache(c);
+  KvCache cache(one_head_of_64(GetParam()));
   Rng rng(base_seed() + 803);
   const Tensor k = random_tensor(rng, {1, 1, 40, 64}), v = random_tensor(rng, {1, 1, 40, 64});
   cache.append(k.view<float>(), v.view<float>());
@@ -229,6 +229,43 @@ TEST_P(KvCacheQuant, NonFiniteQueriesReachOnlyTheirRows) {
     const bool byte_query = GetParam() == CacheType::kInt4 && kernels::decode_int8_dots();
     if (h == 0 || h == 3) EXPECT_LE(std::sqrt(diff), std::sqrt(norm) / (byte_query ? 1 << 4 : 1 << 12)) << h;
   }
+}
+
+// A value group that is not finite (stored as NaN) reaches the output only in the rows that see
+// its key, and only in its group's columns. The decode kernel weights a key a row does not see by
+// P = 0, and 0 × NaN is NaN: the rows of such a block are redone over the keys they see. That
+// holds whether values are dequantized in registers or their scales folded into the weights
+// (AVX2; docs/numerics.md): checked on every target compiled in and supported here, with and
+// without the dot products.
+TEST_P(KvCacheQuant, NonFiniteValuesReachOnlyTheRowsThatSeeThem) {
+  KvCache cache(one_head_of_64(GetParam()));
+  Rng rng(base_seed() + 805);
+  const Tensor k = random_tensor(rng, {1, 1, 40, 64});
+  Tensor v = random_tensor(rng, {1, 1, 40, 64});
+  cache.append(k.view<float>(), v.view<float>(), {37});  // fixes the channel scales from finite rows
+  v.view<float>().at(0, 0, 2, 40) = std::nanf("");  // position 39's value, group 1 (columns 32 .. 63)
+  const View<const float> k3(k.data<float>(), {1, 1, 3, 64}), v3(v.data<float>(), {1, 1, 3, 64});
+  cache.append(k3, v3);
+  ASSERT_EQ(cache.length(0), 40);
+  // Query rows at positions 37, 38, 39: only the last sees position 39.
+  const Tensor q = random_tensor(rng, {1, 1, 3, 64});
+  Tensor out(DType::kF32, {1, 1, 3, 64});
+  struct Restore {
+    ~Restore() {
+      kernels::force_simd_target("");
+      kernels::allow_decode_dot_products(true);
+    }
+  } restore;
+  for (const std::string& t : kernels::simd_targets())
+    for (const bool dots : {false, true}) {
+      kernels::force_simd_target(t);
+      kernels::allow_decode_dot_products(dots);
+      attend(q.view<float>(), cache, out.view<float>());
+      for (int64_t i = 0; i < 3; ++i)
+        for (int64_t e = 0; e < 64; ++e)
+          EXPECT_EQ(std::isnan(out.view<float>().at(0, 0, i, e)), i == 2 && e >= 32)
+              << t << (dots ? " dots" : "") << " row " << i << " column " << e;
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, KvCacheQuant, ::testing::Values(CacheType::kInt8, CacheType::kInt4), type_param);

@@ -36,6 +36,7 @@ class Workspace {
     // Decoding (flash_decode.cc).
     kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeSeen, kDecodeMerge,
     kDecodeOut, kDecodeMax, kDecodeSum, kDecodeQuerySums, kDecodeQueryWords, kDecodeWeightPairs, kDecodeSavedOut,
+    kDecodeValueScales, kDecodeValueWeights, kDecodeValueMins,
     // varlen_attention (src/ops/varlen.cc): one sequence's rows, head-major, around the kernel calls.
     kVarlenQuery, kVarlenKey, kVarlenValue, kVarlenOut, kVarlenGradOut, kVarlenGradQuery, kVarlenGradKey,
     kVarlenGradValue,

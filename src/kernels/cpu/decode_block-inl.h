@@ -48,18 +48,78 @@ HWY_INLINE hn::Vec<DF> StagedScores(DF d, const float* q, const float* HWY_RESTR
   return SumLanesOfEach(d, acc);
 }
 
+// Whether the value pass of int8/int4 values takes the groups' scales into its weights
+// (FoldValueWeights): where a pass of kOutVecs vectors is one quantization group (AVX2's 32
+// columns). Elsewhere each value is dequantized in registers (QuantKv::Load).
+template <class Kv>
+constexpr bool FoldsValueScales() {
+  return Kv::kKeyTiles && !HWY_HAVE_SCALABLE && kOutVecs * hn::MaxLanes(DF()) == static_cast<size_t>(kCacheQuantGroup);
+}
+
+// The weights of a folded value pass over int8/int4 values: P·(scale·code + minimum) =
+// (P·scale)·code + P·minimum per group, so that the pass needs one FMA per value and row where
+// dequantizing took one more per value and row group (measured on the cache-resident int8 step:
+// docs/benchmarks.md). For rows r < R, value groups g < groups and the block's keys j < jn:
+// w[(g·R + r)·ldp + j] = P[r][j]·scale_g(j), and mins[g·R + r] = Σ_j P[r][j]·minimum_g(j) (N keys
+// in the lanes, then across them: a fixed order). The keys' scales are first copied into st
+// (2·groups rows of ldp, keys in order, zeros past jn up to a whole vector) by N×N transposes
+// of N keys' rows (a block's value rows may lie in different pages; scalar copies took the
+// gain away), which the products then read by vectors.
+template <class Kv>
+HWY_INLINE void FoldValueWeights(DF d, const float* pr, size_t ldp, size_t R, const typename Kv::Row* vrows, size_t jn,
+                                 size_t groups, float* HWY_RESTRICT st, float* HWY_RESTRICT w,
+                                 float* HWY_RESTRICT mins) {
+  using V = hn::Vec<DF>;
+  const size_t N = hn::Lanes(d), jv = (jn + N - 1) / N * N;
+  const float* rows[hn::MaxLanes(DF())];
+  for (size_t x0 = 0; x0 < jn; x0 += N) {
+    for (size_t x = 0; x < N; ++x) rows[x] = vrows[std::min(x0 + x, jn - 1)].scales;
+    for (size_t i0 = 0; i0 < 2 * groups; i0 += N) {
+      Transpose(d, rows, std::min(N, 2 * groups - i0), st + i0 * ldp + x0, ldp, 1.0f);
+      for (size_t x = 0; x < N; ++x) rows[x] += N;
+    }
+  }
+  for (size_t i = 0; i < 2 * groups; ++i) std::fill(st + i * ldp + jn, st + i * ldp + jv, 0.0f);
+  for (size_t g = 0; g < groups; ++g) {
+    const float* scale = st + 2 * g * ldp;
+    const float* minimum = scale + ldp;
+    for (size_t r = 0; r < R; ++r) {
+      const float* p = pr + r * ldp;
+      float* wr = w + (g * R + r) * ldp;
+      V m = hn::Zero(d);
+      for (size_t j = 0; j < jv; j += N) {
+        const V pj = hn::Load(d, p + j);
+        hn::Store(hn::Mul(pj, hn::Load(d, scale + j)), d, wr + j);
+        m = hn::MulAdd(pj, hn::Load(d, minimum + j), m);
+      }
+      mins[g * R + r] = hn::GetLane(hn::SumOfLanes(d, m));
+    }
+  }
+}
+
 // O[r][c0 + c·N ..] = alpha[r]·O + Σ_{j < jn} P[r][j] · V_j[c0 + c·N ..] for rows [r0, r0 + RG)
 // and NV vectors of columns, V_j = vrows[j]. kTail: the last vector is partial (ncols % N != 0).
 // Value rows [prefetch.lo, prefetch.hi) are prefetched one per j (an empty range: none).
+// Folded (FoldsValueScales, columns of one group): pr holds that group's weights P·scale and
+// mins[r] the rows' Σ P·minimum (FoldValueWeights), and the values are read as their codes.
 template <size_t RG, size_t NV, bool kTail, class Kv>
 HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows, size_t c0,
-                             size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
+                             size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch,
+                             const float* mins) {
   using V = hn::Vec<DF>;
+  constexpr bool kFolded = FoldsValueScales<Kv>();
   const size_t N = hn::Lanes(d);
   V acc[RG][NV];
   for (size_t r = 0; r < RG; ++r) {
     const V a = hn::Set(d, alpha[r]);
-    for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::Mul(hn::Load(d, o + r * ldo + c * N), a);
+    for (size_t c = 0; c < NV; ++c) {
+      const V x = hn::Load(d, o + r * ldo + c * N);
+      if constexpr (kFolded) {
+        acc[r][c] = hn::MulAdd(x, a, hn::Set(d, mins[r]));
+      } else {
+        acc[r][c] = hn::Mul(x, a);
+      }
+    }
   }
   const size_t tail = ncols - (NV - 1) * N;
   // Each row advanced to column c0 (to its last Columns boundary, with the rest in `skip`), so
@@ -73,8 +133,13 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, co
     const auto vj = Kv::Columns(vrows[j], c0 - skip);
     if (prefetch.lo + static_cast<int64_t>(j) < prefetch.hi) kv.PrefetchValue(prefetch.lo + static_cast<int64_t>(j));
     V x[NV];
-    for (size_t c = 0; c < NV; ++c)
-      x[c] = kTail && c + 1 == NV ? kv.LoadPartial(d, vj, skip + c * N, tail) : kv.Load(d, vj, skip + c * N);
+    for (size_t c = 0; c < NV; ++c) {
+      if constexpr (kFolded) {
+        x[c] = Kv::Codes(d, vj, 0, c * N);  // whole groups: the padded row has the codes
+      } else {
+        x[c] = kTail && c + 1 == NV ? kv.LoadPartial(d, vj, skip + c * N, tail) : kv.Load(d, vj, skip + c * N);
+      }
+    }
     for (size_t r = 0; r < RG; ++r) {
       const V pb = hn::Set(d, pr[r * ldp + j]);
       for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pb, x[c], acc[r][c]);
@@ -87,12 +152,12 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, co
 template <size_t RG, class Kv>
 HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows,
                                  size_t c0, size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo,
-                                 KeyRange prefetch) {
+                                 KeyRange prefetch, const float* mins) {
   const size_t N = hn::Lanes(d), nv = (ncols + N - 1) / N;
   const bool tail = ncols % N != 0;
-#define MHA_DECODE_OUTPUT(NV)                                                                      \
-  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch) \
-       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch)
+#define MHA_DECODE_OUTPUT(NV)                                                                            \
+  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch, mins) \
+       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch, mins)
   static_assert(kOutVecs == 4, "a case for each vector count up to kOutVecs");
   switch (nv) {
     case 1: MHA_DECODE_OUTPUT(1); break;

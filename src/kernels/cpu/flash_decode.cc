@@ -259,6 +259,13 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   // vector, which every query row then reads (StagedScores).
   constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles;
   float* kstage = kStage ? ws.get<float>(Workspace::kDecodeKeyStage, N * ldq) : nullptr;
+  // int8/int4 values on AVX2: the value pass's weights with the groups' scales folded in
+  // (FoldValueWeights), per group of the padded value row.
+  constexpr bool kFold = decode::FoldsValueScales<Kv>();
+  const size_t vgroups = (Dv + kCacheQuantGroup - 1) / kCacheQuantGroup;
+  float* vstage = kFold ? ws.get<float>(Workspace::kDecodeValueScales, 2 * vgroups * block) : nullptr;
+  float* vweights = kFold ? ws.get<float>(Workspace::kDecodeValueWeights, vgroups * R * block) : nullptr;
+  float* vmins = kFold ? ws.get<float>(Workspace::kDecodeValueMins, vgroups * R) : nullptr;
   const hn::RebindToSigned<DF> di;
 
   const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
@@ -436,11 +443,21 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       if (pairs) PairWeights(s, R, block, pw);  // int4 values with bfloat16 dot products (Int4Output)
     }
 #endif
+    if constexpr (kFold) {
+      decode::FoldValueWeights<Kv>(d, s, block, static_cast<size_t>(R), vrows, static_cast<size_t>(jn), vgroups,
+                                   vstage, vweights, vmins);
+    }
     for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
       const size_t nc = std::min(kOutVecs * N, Dv - c0);
       ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
         float* oc = o + r0 * dvp + c0;
         const float* pr = s + r0 * block;
+        const float* mins = nullptr;
+        if constexpr (kFold) {  // a pass is group c0 / 32
+          const size_t g = c0 / kCacheQuantGroup;
+          pr = vweights + (g * R + r0) * block;
+          mins = vmins + g * R + r0;
+        }
         // The next block's value rows, one per key of the first pass over this block's.
         const KeyRange prefetch = r0 == 0 && c0 == 0 ? KeyRange{j0 + ahead_keys, ub} : KeyRange{0, 0};
 #if MHA_DECODE_DOTS
@@ -456,7 +473,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
         }
 #endif
         WithRowGroup(rg, [&](auto g) {
-          DecodeOutputCols<decltype(g)::value>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch);
+          DecodeOutputCols<decltype(g)::value>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch,
+                                               mins);
         });
       });
     }
