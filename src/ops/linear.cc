@@ -142,17 +142,14 @@ void widened_tile(const void* x, DType x_type, int64_t ldx, const void* w, DType
   thread_local std::vector<float> xf, wf;
   const auto* xb = static_cast<const unsigned char*>(x);
   const auto* wb = static_cast<const unsigned char*>(w);
-  const float* a = xf.data();
-  int64_t lda = K;
-  if (x_type == DType::kF32) {
-    a = static_cast<const float*>(x) + m0 * ldx;
-    lda = ldx;
-  } else {
+  if (x_type != DType::kF32) {
     xf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(xf.size()), m * K)));
     for (int64_t r = 0; r < m; ++r)
       widen_to_f32(xb + (m0 + r) * ldx * element_bytes(x_type), x_type, xf.data() + r * K, K);
-    a = xf.data();
   }
+  const bool f32 = x_type == DType::kF32;
+  const float* a = f32 ? static_cast<const float*>(x) + m0 * ldx : xf.data();
+  const int64_t lda = f32 ? ldx : K;
   wf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(wf.size()), n * K)));
   for (int64_t r = 0; r < n; ++r)
     widen_to_f32(wb + (n0 + r) * ldw * element_bytes(w_type), w_type, wf.data() + r * K, K);
@@ -171,10 +168,7 @@ void finish_tile(const float* bias, int64_t K, int64_t n0, int64_t m, int64_t n,
 
 void linear_widened(const void* x, DType x_type, int64_t ldx, int64_t M, const void* w, DType w_type, int64_t ldw,
                     int64_t N, int64_t K, const float* bias, float* y, int64_t ldy, int num_threads) {
-  MHA_CHECK(x_type == DType::kF32 || x_type == DType::kBF16, "linear: x must be float32 or bfloat16, not {}",
-            dtype_name(x_type));
-  MHA_CHECK(w_type == DType::kBF16 || w_type == DType::kF16, "linear: w must be bfloat16 or float16, not {}",
-            dtype_name(w_type));
+  check_widening_operands("linear", x_type, w_type);
   if (M == 0 || N == 0) return;
   for_each_tile(M, N, num_threads, [&](int64_t m0, int64_t n0, int64_t m, int64_t n) {
     float* c = y + m0 * ldy + n0;

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "hwy/highway.h"
+#include "util/check.h"
 #include "util/convert-inl.h"
 #include "util/convert.h"
 
@@ -70,6 +71,13 @@ void widen_to_f32(const void* src, DType from, float* dst, int64_t n) {
 
 void narrow_from_f32(const float* src, DType to, void* dst, int64_t n) {
   HWY_DYNAMIC_DISPATCH(kernels::Narrow)(src, to, dst, n);
+}
+
+void check_widening_operands(const char* fn, DType x_type, DType w_type) {
+  MHA_CHECK(x_type == DType::kF32 || x_type == DType::kBF16, "{}: x must be float32 or bfloat16, not {}", fn,
+            dtype_name(x_type));
+  MHA_CHECK(w_type == DType::kBF16 || w_type == DType::kF16, "{}: w must be bfloat16 or float16, not {}", fn,
+            dtype_name(w_type));
 }
 
 }  // namespace mha

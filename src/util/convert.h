@@ -13,6 +13,9 @@ namespace mha {
 void widen_to_f32(const void* src, DType from, float* dst, int64_t n);
 // dst[i] = src[i] rounded to `to` (kBF16 or kF16, to nearest even; kF32 copies).
 void narrow_from_f32(const float* src, DType to, void* dst, int64_t n);
+// The operand types of a projection that widens 16-bit weights as it multiplies (linear_rows16,
+// linear_widened): x float32 or bfloat16, w bfloat16 or float16; else an mha::Error naming fn.
+void check_widening_operands(const char* fn, DType x_type, DType w_type);
 
 }  // namespace mha
 

@@ -14,6 +14,7 @@
 #include "mha/half.h"
 #include "util/check.h"
 #include "util/convert-inl.h"
+#include "util/convert.h"
 #include "util/parallel.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -111,10 +112,7 @@ HWY_EXPORT(LinearRows16);
 
 void linear_rows16(const void* x, DType x_type, int64_t ldx, int64_t M, const void* w, DType w_type, int64_t ldw,
                    int64_t N, int64_t K, const float* bias, float* y, int64_t ldy, int num_threads) {
-  MHA_CHECK(x_type == DType::kF32 || x_type == DType::kBF16, "linear_rows16: x must be float32 or bfloat16, not {}",
-            dtype_name(x_type));
-  MHA_CHECK(w_type == DType::kBF16 || w_type == DType::kF16, "linear_rows16: w must be bfloat16 or float16, not {}",
-            dtype_name(w_type));
+  check_widening_operands("linear_rows16", x_type, w_type);
   MHA_CHECK(M >= 0 && N >= 0 && K >= 0, "linear_rows16: negative size ({} x {}) · ({} x {})ᵀ", M, K, N, K);
   if (M == 0 || N == 0) return;
   HWY_DYNAMIC_DISPATCH(LinearRows16)(x, x_type, ldx, M, w, w_type, ldw, N, K, bias, y, ldy, num_threads);
