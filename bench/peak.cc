@@ -14,7 +14,13 @@
 namespace mha::bench {
 namespace {
 
-constexpr int kChains = 16;  // > latency × throughput, so the loop is throughput-bound
+// Independent chains per loop: more than latency × throughput (4 × 2 FMAs per cycle), so the
+// loop is bound by throughput, and few enough that they and the two constants stay in the
+// registers: 16 of AVX-512's 32, 12 of AVX2's 16. (16 chains on AVX2 spilled three of them to
+// the stack, whose store-to-load round trips in their chains took the measured peak to 116
+// GFLOP/s on a Zen 3 that does ~200: docs/benchmarks.md.)
+constexpr int kChains = 16;
+constexpr int kChainsAvx2 = 12;
 
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) float fma_loop_avx512(long iters) {
@@ -28,13 +34,13 @@ __attribute__((target("avx512f"))) float fma_loop_avx512(long iters) {
   return _mm512_reduce_add_ps(s);
 }
 __attribute__((target("avx2,fma"))) float fma_loop_avx2(long iters) {
-  __m256 acc[kChains];
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm256_set1_ps(0.001f * i);
+  __m256 acc[kChainsAvx2];
+  for (int i = 0; i < kChainsAvx2; ++i) acc[i] = _mm256_set1_ps(0.001f * i);
   const __m256 a = _mm256_set1_ps(0.99999f), b = _mm256_set1_ps(1e-6f);
   for (long it = 0; it < iters; ++it)
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+    for (int i = 0; i < kChainsAvx2; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
   __m256 s = acc[0];
-  for (int i = 1; i < kChains; ++i) s = _mm256_add_ps(s, acc[i]);
+  for (int i = 1; i < kChainsAvx2; ++i) s = _mm256_add_ps(s, acc[i]);
   float out[8];
   _mm256_storeu_ps(out, s);
   return out[0];
@@ -79,17 +85,17 @@ double measure_bf16_peak_gflops(int threads) {
 }
 
 double measure_peak_gflops(int threads) {
-  int lanes = 1;
+  int lanes = 1, chains = 0;
   float (*loop)(long) = nullptr;
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx512f")) {
-    loop = fma_loop_avx512, lanes = 16;
+    loop = fma_loop_avx512, lanes = 16, chains = kChains;
   } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    loop = fma_loop_avx2, lanes = 8;
+    loop = fma_loop_avx2, lanes = 8, chains = kChainsAvx2;
   }
 #endif
   if (!loop) return 0.0;
-  return best_rate(loop, 2.0 * lanes * kChains, threads);
+  return best_rate(loop, 2.0 * lanes * chains, threads);
 }
 
 namespace {
