@@ -228,8 +228,17 @@ def decode_table(args):
     q = torch.randn(1, Hq, 1, D, generator=gen)
     want = torch.nn.functional.scaled_dot_product_attention(q.double(), k[None].double(), v[None].double(),
                                                             enable_gqa=True).numpy()
-    lines = ["| cache | MiB | ms | GB/s | × mha float32 | error vs float64 |", "|---|---|---|---|---|---|"]
+    flops = 4 * Hq * L * D  # q·k and p·v: 2 flops per multiply-add
+    lines = ["| cache | MiB | ms | GB/s | GFLOP/s (% fp32 peak) | × mha float32 | error vs float64 |",
+             "|---|---|---|---|---|---|---|"]
     base = None
+
+    def row(name, nbytes, seconds, error):
+        gflops = flops / seconds / 1e9
+        lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
+                     f"{gflops:.1f} ({100 * gflops / args.peak:.0f}%) | {seconds / base:.2f} | {error:.1e} |")
+        print(lines[-1], flush=True)
+
     for dtype in ("float32", "bfloat16", "float16", "int8", "int4"):
         cache = mha.PagedKvCache(Hkv, D, page_size=256, pages=L // 256, dtype=dtype)
         s = cache.add_sequence()
@@ -237,18 +246,12 @@ def decode_table(args):
         run = lambda: cache.attend(q, [s], num_threads=THREADS)  # noqa: E731
         seconds = median_seconds(run, args.seconds)
         base = base or seconds
-        mib = cache.nbytes / 2**20
-        lines.append(f"| mha {dtype} | {mib:.0f} | {seconds * 1e3:.2f} | {cache.nbytes / seconds / 1e9:.1f} | "
-                     f"{seconds / base:.2f} | {rel_error(run().numpy(), want):.1e} |")
-        print(lines[-1], flush=True)
+        row(f"mha {dtype}", cache.nbytes, seconds, rel_error(run().numpy(), want))
     for name, dt in (("torch SDPA float32", torch.float32), ("torch SDPA bfloat16", torch.bfloat16)):
         kk, vv, qq = k[None].to(dt), v[None].to(dt), q.to(dt)
         run = lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)  # noqa: E731
         seconds = median_seconds(run, args.seconds)
-        nbytes = 2 * kk.numel() * kk.element_size()
-        lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
-                     f"{seconds / base:.2f} | {rel_error(run().float().numpy(), want):.1e} |")
-        print(lines[-1], flush=True)
+        row(name, 2 * kk.numel() * kk.element_size(), seconds, rel_error(run().float().numpy(), want))
     peers = [("OpenVINO SDPA float32", lambda: openvino_decode(q, k, v, "f32"), 4),
              ("OpenVINO SDPA, bf16 inference", lambda: openvino_decode(q, k, v, "bf16"), 4),
              ("ORT GroupQueryAttention float32", lambda: onnxruntime_gqa_decode(q, k, v, False), 4),
@@ -257,18 +260,16 @@ def decode_table(args):
         try:
             run, result = make()
         except Exception as e:  # noqa: BLE001 — a peer without the feature is a row saying so
-            lines.append(f"| {name} | — | not available: {str(e)[:80]} | | | |")
+            lines.append(f"| {name} | — | not available: {str(e)[:80]} | | | | |")
             continue
         seconds = median_seconds(run, args.seconds)
-        nbytes = 2 * k.numel() * element_bytes
-        lines.append(f"| {name} | {nbytes / 2**20:.0f} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} | "
-                     f"{seconds / base:.2f} | {rel_error(result(), want):.1e} |")
-        print(lines[-1], flush=True)
+        row(name, 2 * k.numel() * element_bytes, seconds, rel_error(result(), want))
     note = (f"\nOne decoding step, GQA {Hq}/{Hkv}, D = {D}, {L} positions; mha through PagedKvCache.attend (one "
             f"sequence, pages of 256); torch over the cache as float32/bfloat16 tensors (a dequantized cache); "
             f"OpenVINO's ScaledDotProductAttention op over the float32 cache (a kv head's query heads as its query "
             f"rows); ONNX Runtime's GroupQueryAttention also copies past to present on each call (no IO binding). "
-            f"{THREADS} threads; torch {torch.__version__}.\n")
+            f"{THREADS} threads, fp32 FMA peak {args.peak:.0f} GFLOP/s (mha bench --peak); a step is {flops / 1e6:.0f} "
+            f"MFLOP; torch {torch.__version__}.\n")
     return "\n".join(lines) + "\n" + note
 
 
