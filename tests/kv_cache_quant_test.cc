@@ -174,6 +174,18 @@ TEST(KvCacheAsFloat, SlotsPastTheStoredPositionsAreZerosAfterReset) {
   }
 }
 
+// Puts back the decode kernel's run-time switches that a test changed: the SIMD target, the dot
+// products, VNNI. RestoreKernelSwitches does it when it goes out of scope, also when an
+// assertion ends the test.
+void restore_kernel_switches() {
+  kernels::force_simd_target("");
+  kernels::allow_decode_dot_products(true);
+  kernels::allow_decode_avx512_vnni(true);
+}
+struct RestoreKernelSwitches {
+  ~RestoreKernelSwitches() { restore_kernel_switches(); }
+};
+
 // One sequence, one kv head of 64 channels (two groups).
 KvCacheConfig one_head_of_64(CacheType type) {
   KvCacheConfig c;
@@ -250,12 +262,7 @@ TEST_P(KvCacheQuant, NonFiniteValuesReachOnlyTheRowsThatSeeThem) {
   // Query rows at positions 37, 38, 39: only the last sees position 39.
   const Tensor q = random_tensor(rng, {1, 1, 3, 64});
   Tensor out(DType::kF32, {1, 1, 3, 64});
-  struct Restore {
-    ~Restore() {
-      kernels::force_simd_target("");
-      kernels::allow_decode_dot_products(true);
-    }
-  } restore;
+  const RestoreKernelSwitches restore;
   for (const std::string& t : kernels::simd_targets())
     for (const bool dots : {false, true}) {
       kernels::force_simd_target(t);
@@ -301,11 +308,7 @@ class QuantDecode : public ::testing::TestWithParam<KernelCase> {
     kernels::allow_decode_dot_products(GetParam().dots);
     kernels::allow_decode_avx512_vnni(GetParam().vnni);
   }
-  void TearDown() override {
-    kernels::force_simd_target("");
-    kernels::allow_decode_dot_products(true);
-    kernels::allow_decode_avx512_vnni(true);
-  }
+  void TearDown() override { restore_kernel_switches(); }
 };
 
 TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
@@ -413,9 +416,7 @@ INSTANTIATE_TEST_SUITE_P(Targets, QuantDecode, ::testing::ValuesIn(kernel_cases(
 // q/k/v weights are multiples of 2^-4 and 2^-6: every projection is exact in any order, and the
 // test checks that the two caches hold the same bits.
 TEST(KvCacheQuantStep, ChunksAndTokensAgree) {
-  struct Restore {
-    ~Restore() { kernels::allow_decode_dot_products(true); }
-  } restore;
+  const RestoreKernelSwitches restore;
   for (const bool dots : {false, true})
   for (CacheType type : {CacheType::kInt8, CacheType::kInt4}) {
     kernels::allow_decode_dot_products(dots);

@@ -142,12 +142,12 @@ void widened_tile(const void* x, DType x_type, int64_t ldx, const void* w, DType
   thread_local std::vector<float> xf, wf;
   const auto* xb = static_cast<const unsigned char*>(x);
   const auto* wb = static_cast<const unsigned char*>(w);
-  if (x_type != DType::kF32) {
+  const bool f32 = x_type == DType::kF32;
+  if (!f32) {
     xf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(xf.size()), m * K)));
     for (int64_t r = 0; r < m; ++r)
       widen_to_f32(xb + (m0 + r) * ldx * element_bytes(x_type), x_type, xf.data() + r * K, K);
   }
-  const bool f32 = x_type == DType::kF32;
   const float* a = f32 ? static_cast<const float*>(x) + m0 * ldx : xf.data();
   const int64_t lda = f32 ? ldx : K;
   wf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(wf.size()), n * K)));
