@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
@@ -102,18 +103,65 @@ HWY_INLINE void FoldValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
 // Value rows [prefetch.lo, prefetch.hi) are prefetched one per j (an empty range: none).
 // Folded (FoldsValueScales, columns of one group): pr holds that group's weights P·scale and
 // mins[r] the rows' Σ P·minimum (FoldValueWeights), and the values are read as their codes.
+// Whether a value pass of NV whole vectors reads bfloat16 values by pairs (DecodeOutput): on
+// AVX2, a 32-bit lane holds columns 2i and 2i + 1 as its low and high halves, and each half is a
+// float once the other half is cleared (a shift, an and), where widening takes two instructions
+// per vector of 8 values. The accumulators then hold the even and the odd columns of 2N columns;
+// they are split that way from O before the keys and joined back after them (six shuffles per
+// pair of vectors and row, once per block). The products and their order per column are those
+// of the widening pass: the same bits.
+#if HWY_TARGET == HWY_AVX2
+constexpr bool kBf16Pairs = true;
+// Columns [0, 2N) of bfloat16 values at p as floats: the even columns, then the odd.
+HWY_INLINE void LoadBf16Pairs(DF d, const bfloat16* p, hn::Vec<DF>& even, hn::Vec<DF>& odd) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Repartition<uint16_t, DF> du16;
+  const auto w = hn::BitCast(du, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
+  even = hn::BitCast(d, hn::ShiftLeft<16>(w));
+  odd = hn::BitCast(d, hn::And(w, hn::Set(du, 0xFFFF0000u)));
+}
+// Columns [0, 2N) of floats at p: the even columns, then the odd.
+HWY_INLINE void SplitPairs(DF d, const float* p, hn::Vec<DF>& even, hn::Vec<DF>& odd) {
+  const auto lo = hn::Load(d, p), hi = hn::Load(d, p + hn::Lanes(d));
+  even = hn::ConcatEven(d, hi, lo);
+  odd = hn::ConcatOdd(d, hi, lo);
+}
+// SplitPairs undone: even and odd columns stored at p interleaved (AVX2's 128-bit halves).
+HWY_INLINE void JoinPairs(DF d, hn::Vec<DF> even, hn::Vec<DF> odd, float* p) {
+  const auto lo = hn::InterleaveLower(d, even, odd), hi = hn::InterleaveUpper(d, even, odd);
+  hn::Store(hn::ConcatLowerLower(d, hi, lo), d, p);
+  hn::Store(hn::ConcatUpperUpper(d, hi, lo), d, p + hn::Lanes(d));
+}
+#else
+constexpr bool kBf16Pairs = false;  // elsewhere the pass widens (these are never called)
+HWY_INLINE void LoadBf16Pairs(DF, const bfloat16*, hn::Vec<DF>&, hn::Vec<DF>&) {}
+HWY_INLINE void SplitPairs(DF, const float*, hn::Vec<DF>&, hn::Vec<DF>&) {}
+HWY_INLINE void JoinPairs(DF, hn::Vec<DF>, hn::Vec<DF>, float*) {}
+#endif
+
+template <class Kv, size_t NV, bool kTail>
+constexpr bool ReadsBf16Pairs() {
+  return kBf16Pairs && std::is_same_v<Kv, PlainKv<bfloat16>> && !kTail && NV % 2 == 0;
+}
+
 template <size_t RG, size_t NV, bool kTail, class Kv>
 HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows, size_t c0,
                              size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch,
                              const float* mins) {
   using V = hn::Vec<DF>;
   constexpr bool kFolded = FoldsValueScales<Kv>();
+  constexpr bool kPairs = ReadsBf16Pairs<Kv, NV, kTail>();
   const size_t N = hn::Lanes(d);
   V acc[RG][NV];
   for (size_t r = 0; r < RG; ++r) {
     const V a = hn::Set(d, alpha[r]);
     for (size_t c = 0; c < NV; ++c) {
-      const V x = hn::Load(d, o + r * ldo + c * N);
+      V x = hn::Load(d, o + r * ldo + c * N);
+      if constexpr (kPairs) {  // vectors c, c + 1: the even, then the odd columns of both
+        V even, odd;
+        SplitPairs(d, o + r * ldo + (c & ~size_t{1}) * N, even, odd);
+        x = c % 2 == 0 ? even : odd;
+      }
       if constexpr (kFolded) {
         acc[r][c] = hn::MulAdd(x, a, hn::Set(d, mins[r]));
       } else {
@@ -134,7 +182,9 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, co
     if (prefetch.lo + static_cast<int64_t>(j) < prefetch.hi) kv.PrefetchValue(prefetch.lo + static_cast<int64_t>(j));
     V x[NV];
     for (size_t c = 0; c < NV; ++c) {
-      if constexpr (kFolded) {
+      if constexpr (kPairs) {
+        if (c % 2 == 0) LoadBf16Pairs(d, vj + skip + c * N, x[c], x[c + 1]);
+      } else if constexpr (kFolded) {
         x[c] = Kv::Codes(d, vj, 0, c * N);  // whole groups: the padded row has the codes
       } else {
         x[c] = kTail && c + 1 == NV ? kv.LoadPartial(d, vj, skip + c * N, tail) : kv.Load(d, vj, skip + c * N);
@@ -145,8 +195,15 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, co
       for (size_t c = 0; c < NV; ++c) acc[r][c] = hn::MulAdd(pb, x[c], acc[r][c]);
     }
   }
-  for (size_t r = 0; r < RG; ++r)
-    for (size_t c = 0; c < NV; ++c) hn::Store(acc[r][c], d, o + r * ldo + c * N);
+  for (size_t r = 0; r < RG; ++r) {
+    for (size_t c = 0; c < NV; ++c) {
+      if constexpr (kPairs) {  // columns in order again: even and odd interleaved
+        if (c % 2 == 0) JoinPairs(d, acc[r][c], acc[r][c + 1], o + r * ldo + c * N);
+      } else {
+        hn::Store(acc[r][c], d, o + r * ldo + c * N);
+      }
+    }
+  }
 }
 
 template <size_t RG, class Kv>
