@@ -269,6 +269,13 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const hn::RebindToSigned<DF> di;
 
   const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
+  // The value passes over a block (column passes × row groups) share the prefetches of the next
+  // block's value rows, an even count each (Int4Output prefetches rows by pairs). All of them in
+  // the first pass left the stream idle through the others: spread, the steps at 256 MiB took
+  // 6–20% less time for float32, bfloat16, float16 and int8 (docs/benchmarks.md).
+  const int64_t value_passes = static_cast<int64_t>((Dv + kOutVecs * N - 1) / (kOutVecs * N)) *
+                               ((R + static_cast<int64_t>(kRowGroup) - 1) / static_cast<int64_t>(kRowGroup));
+  const int64_t value_share = (static_cast<int64_t>(block) + 2 * value_passes - 1) / (2 * value_passes) * 2;
   // The first block's rows, which no earlier block prefetched.
   for (int64_t j = ua; j < std::min(ub, ua + ahead_keys); ++j) {
     if constexpr (Kv::kKeyTiles) {
@@ -290,7 +297,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     }
     // Scores: for each N keys, every row's N dot products (head dim in the lanes), K rows read
     // in memory order. With them go the prefetches (into L2) of the next block's K rows; the
-    // output pass below prefetches its V rows, one per key. A core here reads ~8.5 GB/s on its
+    // output passes below prefetch its V rows, a share each, one per key. A core reads ~8.5 GB/s on its
     // own, and the arithmetic overlaps that stream only under prefetches spread through it:
     // moving the V prefetches out of the scores' burst took the bfloat16 step at 256 MiB from
     // 11.7–13.4 to 9.6–12.0 ms (docs/benchmarks.md).
@@ -447,6 +454,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       decode::FoldValueWeights<Kv>(d, s, block, static_cast<size_t>(R), vrows, static_cast<size_t>(jn), vgroups,
                                    vstage, vweights, vmins);
     }
+    int64_t pass = 0;  // passes over this block's value rows so far
     for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
       const size_t nc = std::min(kOutVecs * N, Dv - c0);
       ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
@@ -458,8 +466,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           pr = vweights + (g * R + r0) * block;
           mins = vmins + g * R + r0;
         }
-        // The next block's value rows, one per key of the first pass over this block's.
-        const KeyRange prefetch = r0 == 0 && c0 == 0 ? KeyRange{j0 + ahead_keys, ub} : KeyRange{0, 0};
+        // The next block's value rows: each pass over this block's prefetches its share of them,
+        // one row per key from the pass's start.
+        const int64_t first = j0 + ahead_keys + pass++ * value_share;
+        const KeyRange prefetch{first, std::min(ub, first + value_share)};
 #if MHA_DECODE_DOTS
         if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
           if (pairs) {
