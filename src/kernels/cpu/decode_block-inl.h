@@ -98,17 +98,12 @@ HWY_INLINE void FoldValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
   }
 }
 
-// O[r][c0 + c·N ..] = alpha[r]·O + Σ_{j < jn} P[r][j] · V_j[c0 + c·N ..] for rows [r0, r0 + RG)
-// and NV vectors of columns, V_j = vrows[j]. kTail: the last vector is partial (ncols % N != 0).
-// Value rows [prefetch.lo, prefetch.hi) are prefetched one per j (an empty range: none).
-// Folded (FoldsValueScales, columns of one group): pr holds that group's weights P·scale and
-// mins[r] the rows' Σ P·minimum (FoldValueWeights), and the values are read as their codes.
 // Whether a value pass of NV whole vectors reads bfloat16 values by pairs (DecodeOutput): on
 // AVX2, a 32-bit lane holds columns 2i and 2i + 1 as its low and high halves, and each half is a
 // float once the other half is cleared (a shift, an and), where widening takes two instructions
 // per vector of 8 values. The accumulators then hold the even and the odd columns of 2N columns;
-// they are split that way from O before the keys and joined back after them (six shuffles per
-// pair of vectors and row, once per block). The products and their order per column are those
+// they are split that way from O before the keys and joined back after them (a few shuffles
+// per pair of vectors and row, once per block). The products and their order per column are those
 // of the widening pass: the same bits.
 #if HWY_TARGET == HWY_AVX2
 constexpr bool kBf16Pairs = true;
@@ -144,6 +139,12 @@ constexpr bool ReadsBf16Pairs() {
   return kBf16Pairs && std::is_same_v<Kv, PlainKv<bfloat16>> && !kTail && NV % 2 == 0;
 }
 
+// O[r][c0 + c·N ..] = alpha[r]·O + Σ_{j < jn} P[r][j] · V_j[c0 + c·N ..] for rows [r0, r0 + RG)
+// and NV vectors of columns, V_j = vrows[j]. kTail: the last vector is partial (ncols % N != 0).
+// Value rows [prefetch.lo, prefetch.hi) are prefetched one per j (an empty range: none).
+// Folded (FoldsValueScales, columns of one group): pr holds that group's weights P·scale and
+// mins[r] the rows' Σ P·minimum (FoldValueWeights), and the values are read as their codes.
+// ReadsBf16Pairs: the accumulators hold pairs of vectors as even and odd columns.
 template <size_t RG, size_t NV, bool kTail, class Kv>
 HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows, size_t c0,
                              size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch,
@@ -155,17 +156,19 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, co
   V acc[RG][NV];
   for (size_t r = 0; r < RG; ++r) {
     const V a = hn::Set(d, alpha[r]);
+    V x[NV];
     for (size_t c = 0; c < NV; ++c) {
-      V x = hn::Load(d, o + r * ldo + c * N);
       if constexpr (kPairs) {  // vectors c, c + 1: the even, then the odd columns of both
-        V even, odd;
-        SplitPairs(d, o + r * ldo + (c & ~size_t{1}) * N, even, odd);
-        x = c % 2 == 0 ? even : odd;
-      }
-      if constexpr (kFolded) {
-        acc[r][c] = hn::MulAdd(x, a, hn::Set(d, mins[r]));
+        if (c % 2 == 0) SplitPairs(d, o + r * ldo + c * N, x[c], x[c + 1]);
       } else {
-        acc[r][c] = hn::Mul(x, a);
+        x[c] = hn::Load(d, o + r * ldo + c * N);
+      }
+    }
+    for (size_t c = 0; c < NV; ++c) {
+      if constexpr (kFolded) {
+        acc[r][c] = hn::MulAdd(x[c], a, hn::Set(d, mins[r]));
+      } else {
+        acc[r][c] = hn::Mul(x[c], a);
       }
     }
   }
