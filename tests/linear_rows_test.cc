@@ -109,7 +109,14 @@ TEST(LinearWidened, MatchesTheDoubleProductWithinTheSummationBound) {
   for (int trial = 0; trial < 8; ++trial) {
     const bool x16 = trial % 2 == 0;
     const DType wt = trial % 4 < 2 ? DType::kBF16 : DType::kF16;
-    const int64_t M = rng.range(1, 300), N = rng.range(1, 300), K = trial == 7 ? 0 : rng.range(1, 80);
+    // K past a panel of the widened operands (ops::kWidenedPanel): one whole panel, and several
+    // with a partial last.
+    const int64_t panel = ops::kWidenedPanel;
+    const int64_t M = rng.range(1, 300), N = rng.range(1, 300);
+    const int64_t K = trial == 7                 ? 0
+                      : trial == 3               ? panel
+                      : trial == 5 || trial == 6 ? 2 * panel + rng.range(1, panel - 1)  // x float32, bfloat16
+                                                 : rng.range(1, 80);
     const int64_t ldx = K + rng.range(0, 3), ldw = K + rng.range(0, 3), ldy = N + rng.range(0, 3);
     const Operands op(rng, M, N, K, ldx, ldw, x16, wt);
     std::vector<float> y(static_cast<size_t>(M * ldy), -7.0f), again = y;

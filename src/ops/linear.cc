@@ -135,25 +135,30 @@ int64_t element_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // The (m × n) tile of y at c (row stride ldy) = rows [m0, m0 + m) of x · rows [n0, n0 + n) of wᵀ,
 // K > 0, each operand widened to float32 into this thread's buffers unless it is float32
-// already; one single-threaded sgemm. No bias.
+// already; one single-threaded sgemm per panel of kWidenedPanel columns of K, the first writing
+// the tile and the others adding to it. No bias.
 void widened_tile(const void* x, DType x_type, int64_t ldx, const void* w, DType w_type, int64_t ldw, int64_t K,
                   int64_t m0, int64_t n0, int64_t m, int64_t n, float* c, int64_t ldy) {
-  // Reused across calls: a fresh vector per tile faulted its pages in on every call.
+  // Reused across calls (a fresh vector per tile faulted its pages in on every call), and no
+  // larger than a panel of each operand's tile: 512 KiB each, whatever K.
   thread_local std::vector<float> xf, wf;
   const auto* xb = static_cast<const unsigned char*>(x);
   const auto* wb = static_cast<const unsigned char*>(w);
   const bool f32 = x_type == DType::kF32;
-  if (!f32) {
-    xf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(xf.size()), m * K)));
-    for (int64_t r = 0; r < m; ++r)
-      widen_to_f32(xb + (m0 + r) * ldx * element_bytes(x_type), x_type, xf.data() + r * K, K);
+  for (int64_t k0 = 0; k0 < K; k0 += kWidenedPanel) {
+    const int64_t kp = std::min(kWidenedPanel, K - k0);
+    if (!f32) {
+      xf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(xf.size()), m * kp)));
+      for (int64_t r = 0; r < m; ++r)
+        widen_to_f32(xb + ((m0 + r) * ldx + k0) * element_bytes(x_type), x_type, xf.data() + r * kp, kp);
+    }
+    const float* a = f32 ? static_cast<const float*>(x) + m0 * ldx + k0 : xf.data();
+    const int64_t lda = f32 ? ldx : kp;
+    wf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(wf.size()), n * kp)));
+    for (int64_t r = 0; r < n; ++r)
+      widen_to_f32(wb + ((n0 + r) * ldw + k0) * element_bytes(w_type), w_type, wf.data() + r * kp, kp);
+    gemm(false, true, m, n, kp, a, lda, wf.data(), kp, k0 == 0 ? 0.0f : 1.0f, c, ldy, 1);
   }
-  const float* a = f32 ? static_cast<const float*>(x) + m0 * ldx : xf.data();
-  const int64_t lda = f32 ? ldx : K;
-  wf.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(wf.size()), n * K)));
-  for (int64_t r = 0; r < n; ++r)
-    widen_to_f32(wb + (n0 + r) * ldw * element_bytes(w_type), w_type, wf.data() + r * K, K);
-  gemm(false, true, m, n, K, a, lda, wf.data(), K, 0.0f, c, ldy, 1);
 }
 
 // Adds bias (or nothing) to the tile, zeroing it first when K = 0 (no product wrote it).

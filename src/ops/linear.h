@@ -56,6 +56,9 @@ bool bf16_matmul_available();
 // float16 modules' projections (sgemm reads float32 only), where a whole widened copy of the
 // weight per call cost more than the product at 128 rows (docs/benchmarks.md), and
 // linear_bf16's path without a bf16 matmul.
+// K is taken in panels of kWidenedPanel, so the buffers stay within 256 × kWidenedPanel floats
+// per operand and thread whatever K (they are kept for the thread's later calls).
+constexpr int64_t kWidenedPanel = 512;
 void linear_widened(const void* x, DType x_type, int64_t ldx, int64_t M, const void* w, DType w_type, int64_t ldw,
                     int64_t N, int64_t K, const float* bias, float* y, int64_t ldy, int num_threads);
 
