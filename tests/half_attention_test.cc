@@ -321,7 +321,7 @@ TEST_P(HalfTest, DecodeShapes) {
       p.Hq = 2 * G;
       p.Tq = 1;
       p.Tk = Tk;
-      p.D = Tk == 300 ? 33 : 64;
+      p.D = Tk == 300 ? 33 : Tk == 17 ? 40 : 64;  // 33, 40: the stage by 4 vectors, then by 1
       p.Dv = Tk == 17 ? 20 : Tk == 3000 ? 48 : p.D;  // 48: a pass of 16 columns too
       p.bthd = Tk == 300;
       p.opt.causal = Causal::kBottomRight;
