@@ -272,7 +272,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   // The value passes over a block (column passes × row groups) share the prefetches of the next
   // block's value rows, an even count each (Int4Output prefetches rows by pairs). All of them in
   // the first pass left the stream idle through the others: spread, the steps at 256 MiB took
-  // 6–20% less time for float32, bfloat16, float16 and int8 (docs/benchmarks.md).
+  // 2–18% less time, the 16-bit types' the most (docs/benchmarks.md).
   const int64_t value_passes = static_cast<int64_t>((Dv + kOutVecs * N - 1) / (kOutVecs * N)) *
                                ((R + static_cast<int64_t>(kRowGroup) - 1) / static_cast<int64_t>(kRowGroup));
   const int64_t value_share = (static_cast<int64_t>(block) + 2 * value_passes - 1) / (2 * value_passes) * 2;
@@ -297,10 +297,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     }
     // Scores: for each N keys, every row's N dot products (head dim in the lanes), K rows read
     // in memory order. With them go the prefetches (into L2) of the next block's K rows; the
-    // output passes below prefetch its V rows, a share each, one per key. A core reads ~8.5 GB/s on its
-    // own, and the arithmetic overlaps that stream only under prefetches spread through it:
-    // moving the V prefetches out of the scores' burst took the bfloat16 step at 256 MiB from
-    // 11.7–13.4 to 9.6–12.0 ms (docs/benchmarks.md).
+    // output passes below prefetch its V rows, a share each, one per key. A core reads ~8.5
+    // GB/s on its own, and the arithmetic overlaps that stream only under prefetches spread
+    // through it: moving the V prefetches out of the scores' burst took the bfloat16 step at
+    // 256 MiB from 11.7–13.4 to 9.6–12.0 ms (docs/benchmarks.md).
     // Lanes past the block's last key read that key again; the mask below drops them.
     // Vectors of the block past its last key (a short chunk or the cache's end) are not computed:
     // their scores are -inf, which the mask below keeps.
