@@ -35,7 +35,8 @@ class Workspace {
     kBwdSoftcapGrad,
     // Decoding (flash_decode.cc).
     kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeSeen, kDecodeMerge,
-    kDecodeOut, kDecodeMax, kDecodeSum, kDecodeQuerySums, kDecodeQueryWords, kDecodeWeightPairs, kDecodeSavedOut,
+    kDecodeOut, kDecodeMax, kDecodeSum, kDecodeQuerySums, kDecodeQueryWords, kDecodeQueryVectors, kDecodeWeightPairs,
+    kDecodeSavedOut,
     kDecodeValueScales, kDecodeValueWeights, kDecodeValueMins,
     // varlen_attention (src/ops/varlen.cc): one sequence's rows, head-major, around the kernel calls.
     kVarlenQuery, kVarlenKey, kVarlenValue, kVarlenOut, kVarlenGradOut, kVarlenGradQuery, kVarlenGradKey,

@@ -55,6 +55,7 @@ using decode::StagedScores;
 using decode::TileScores;
 #if MHA_DECODE_INT_DOTS
 using decode::QueryDots;
+using decode::RepeatWords;
 using decode::QueryForm;
 using decode::TileDots256;
 #endif
@@ -227,6 +228,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const size_t ldw = form == QueryForm::kHalves ? ldq / 2 : ldq / 4;  // words of a query row
   int32_t* qh = nullptr;
   int32_t* ql = nullptr;
+  int32_t* qv = nullptr;  // TileDots256's query vectors
   float qscale[kMaxDecodeRows];
   bool dots = false;
   if constexpr (Kv::kKeyTiles) {
@@ -234,6 +236,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       qh = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * (ldq / 4));
       ql = form == QueryForm::kSplit ? qh + R * static_cast<int64_t>(ldq / 4) : nullptr;  // kSplit's low bytes
       dots = QueryDots(d, qs, ldq, R, form, qh, ql, qscale);
+      if (dots && !vnni) {  // TileDots256 reads the words as vectors
+        qv = ws.get<int32_t>(Workspace::kDecodeQueryVectors, 8 * ldw * static_cast<size_t>(R));
+        RepeatWords(qh, ldw, R, ldw, qv);
+      }
     }
   }
 #endif
@@ -332,9 +338,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           float* sr = s + r0 * static_cast<int64_t>(block) + static_cast<int64_t>(kb * N);
 #if MHA_DECODE_INT_DOTS
           if (dots) {
-            const int32_t* h = qh + r0 * static_cast<int64_t>(ldw);
 #if MHA_DECODE_DOTS
             if (vnni) {
+              const int32_t* h = qh + r0 * static_cast<int64_t>(ldw);
               const int32_t* l = ql ? ql + r0 * static_cast<int64_t>(ldw) : nullptr;  // int8 keys only
               WithTileRows(R - r0, [&](auto rt) {
                 TileDots<kBits, decltype(rt)::value>(tile.codes, tile.scales, groups, h, l, ldw, qscale + r0, qg, qr,
@@ -343,9 +349,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
               continue;
             }
 #endif
+            const int32_t* v = qv + r0 * static_cast<int64_t>(8 * ldw);
             for (size_t x = 0; x < N; x += 8) {  // 8 keys a call
               WithTileRows(R - r0, [&](auto rt) {
-                TileDots256<kBits, decltype(rt)::value>(tile.codes, tile.scales, lane0 + x, groups, h, ldw,
+                TileDots256<kBits, decltype(rt)::value>(tile.codes, tile.scales, lane0 + x, groups, v, 8 * ldw,
                                                         qscale + r0, qg, qr, nout, sr + x, block);
               });
             }
