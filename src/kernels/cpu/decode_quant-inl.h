@@ -176,6 +176,10 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t la
     if constexpr (kBits == 4) {
       __m256i pairs[RT];  // 16-bit pair sums of the group's products
       for (size_t r = 0; r < RT; ++r) pairs[r] = _mm256_setzero_si256();
+      // Not unrolled: GCC 12 unrolled the 4 words and regrouped the 16-bit sums (integer adds
+      // reassociate) into a tree over all 32 products of a row group, which spilled them to the
+      // stack; the cache-resident int4 step took 0.290 ms, not 0.270.
+#pragma GCC unroll 1
       for (size_t w = 0; w < kWords; ++w) {  // low nibbles: channels 8w .. 8w + 3; high: 8w + 4 .. 8w + 7
         const uint8_t* p = codes + (g * kWords + w) * kWordBytes + lane0 * 4;
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
