@@ -153,8 +153,9 @@ inline void RepeatWords(const int32_t* qw, size_t ldw, int64_t R, size_t words, 
 // word of 4 codes is shuffled into two 32-bit lanes of 16-bit codes (channels 0 and 1 in one
 // vector, 2 and 3 in another: a key per lane), which meet the 16-bit query (kHalves) in vpmaddwd
 // (|Σ| ≤ 32 · 255 · 32512 < 2^31, as in TileDots). Widening the codes to 16 bits in channel order
-// put a key in two lanes, joined by vphaddd and vpermq per group, and 8 accumulators per row
-// pair spilled: the cache-resident int8 step took 0.34 ms where this takes 0.30.
+// put a key in two lanes, joined by vphaddd and vpermq per group: two accumulators per row, of
+// which GCC spilled two of 4 rows' 8; the cache-resident int8 step took 0.34 ms where this takes
+// 0.30.
 template <int kBits, size_t RT>
 HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t lane0, size_t groups,
                             const int32_t* qv, size_t ldv, const float* qscale, const float* qsum, const float* qo,

@@ -55,8 +55,8 @@ using decode::StagedScores;
 using decode::TileScores;
 #if MHA_DECODE_INT_DOTS
 using decode::QueryDots;
-using decode::RepeatWords;
 using decode::QueryForm;
+using decode::RepeatWords;
 using decode::TileDots256;
 #endif
 #if MHA_DECODE_DOTS
