@@ -133,14 +133,13 @@ inline bool QueryDots(DF d, const float* q, size_t ldq, int64_t R, QueryForm for
   return true;
 }
 
-// QueryDots's words of R rows (a row's `words` at r · ldw) for TileDots256: each word repeated in
-// the 8 lanes of a 256-bit vector (a row's at r · 8 · words), which its integer products then
-// read from memory (L1). Broadcasting a word per product took a register and an instruction
-// each: GCC spilled the int8 tile's accumulators to the stack, and each store-to-load round trip
-// sat on a sum's chain.
-inline void RepeatWords(const int32_t* qw, size_t ldw, int64_t R, size_t words, int32_t* qv) {
-  for (int64_t r = 0; r < R; ++r)
-    for (size_t w = 0; w < words; ++w) std::fill_n(qv + (static_cast<size_t>(r) * words + w) * 8, 8, qw[r * ldw + w]);
+// QueryDots's words (R rows of ldw) for TileDots256: each word repeated in the 8 lanes of a
+// 256-bit vector (a row's at r · 8 · ldw), which its integer products then read from memory
+// (L1). Broadcasting a word per product took a register and an instruction each: GCC spilled
+// the int8 tile's accumulators to the stack, and each store-to-load round trip sat on a sum's
+// chain.
+inline void RepeatWords(const int32_t* qw, size_t ldw, int64_t R, int32_t* qv) {
+  for (size_t i = 0; i < static_cast<size_t>(R) * ldw; ++i) std::fill_n(qv + i * 8, 8, qw[i]);
 }
 
 // TileScores with the 8-bit and 16-bit integer products of AVX2, for the 8 keys of a tile from

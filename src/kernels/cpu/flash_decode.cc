@@ -238,7 +238,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       dots = QueryDots(d, qs, ldq, R, form, qh, ql, qscale);
       if (dots && !vnni) {  // TileDots256 reads the words as vectors
         qv = ws.get<int32_t>(Workspace::kDecodeQueryVectors, 8 * ldw * static_cast<size_t>(R));
-        RepeatWords(qh, ldw, R, ldw, qv);
+        RepeatWords(qh, ldw, R, qv);
       }
     }
   }
