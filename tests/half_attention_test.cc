@@ -140,10 +140,13 @@ Result run_dtype(const Problem& p, Backend backend, int threads = 0) {
 
 // The fast path with the decode kernel's dot products off (bfloat16 keys widened, as float32).
 Result run_dots_off(const Problem& p) {
+  // The dot products back on however run_dtype returns; the fixture's SIMD target stays (not
+  // RestoreKernelSwitches, which would reset it).
+  struct DotsBackOn {
+    ~DotsBackOn() { kernels::allow_decode_dot_products(true); }
+  } const back_on;
   kernels::allow_decode_dot_products(false);
-  Result r = run_dtype(p, Backend::kFast);
-  kernels::allow_decode_dot_products(true);
-  return r;
+  return run_dtype(p, Backend::kFast);
 }
 
 // On the widened inputs: the float64 reference (Acc = double) or plain float32 (Acc = float).

@@ -347,9 +347,9 @@ TEST(HostileCaches, QuantizedValuesNearTheFloatRange) {
     int checked = 0;
     for (const std::string& t : kernels::simd_targets()) {
       if (t == "SCALAR" || t == "EMU128") continue;
+      const RestoreKernelSwitches restore;
       kernels::force_simd_target(t);
       attend(q.view<float>(), cache, out.view<float>());
-      kernels::force_simd_target("");
       for (int64_t e = 0; e < 32; ++e) EXPECT_TRUE(std::isfinite(out.view<float>().at(0, 0, 0, e))) << t << " " << e;
       ++checked;
     }

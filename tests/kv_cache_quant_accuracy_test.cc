@@ -60,6 +60,7 @@ TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
     for (int64_t t = 0; t < L; ++t)                 // the values are their codes
       for (int64_t e = 0; e < Dv; ++e) ASSERT_EQ(stored.view<float>().at(0, 0, t, e), v.view<float>().at(0, 0, t, e));
     const Tensor keys = cache.keys_as_float();
+    const RestoreKernelSwitches restore;
     for (bool dots : {true, false}) {
       kernels::allow_decode_dot_products(dots);
       SCOPED_TRACE("Dv " + std::to_string(Dv) + (dots ? ", dot products where the CPU has them" : ", float path"));
@@ -83,7 +84,6 @@ TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
           ASSERT_EQ(out.view<float>().at(0, h, 0, e), static_cast<float>(sum / L)) << "column " << e;
       }
     }
-    kernels::allow_decode_dot_products(true);
   }
 }
 
@@ -126,6 +126,7 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
   AttentionOptions options;
   options.scale = 1.0f / 1024;
   const NaiveResult want = naive_attention({q.view<float>(), k.view<float>(), v.view<float>()}, options);
+  const RestoreKernelSwitches restore;
   for (bool dots : {false, true}) {
     kernels::allow_decode_dot_products(dots);
     SCOPED_TRACE(dots ? "dot products where the CPU has them" : "float path");
@@ -138,7 +139,6 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
         ASSERT_NEAR(out.view<float>().at(0, h, 0, e), w, tol) << "head " << h << ", column " << e;
       }
   }
-  kernels::allow_decode_dot_products(true);
 }
 
 // The error of decoding from a quantized cache against a float32 cache of the same keys and

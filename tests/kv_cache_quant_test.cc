@@ -174,18 +174,6 @@ TEST(KvCacheAsFloat, SlotsPastTheStoredPositionsAreZerosAfterReset) {
   }
 }
 
-// Puts back the decode kernel's run-time switches that a test changed: the SIMD target, the dot
-// products, VNNI. RestoreKernelSwitches does it when it goes out of scope, also when an
-// assertion ends the test.
-void restore_kernel_switches() {
-  kernels::force_simd_target("");
-  kernels::allow_decode_dot_products(true);
-  kernels::allow_decode_avx512_vnni(true);
-}
-struct RestoreKernelSwitches {
-  ~RestoreKernelSwitches() { restore_kernel_switches(); }
-};
-
 // One sequence, one kv head of 64 channels (two groups).
 KvCacheConfig one_head_of_64(CacheType type) {
   KvCacheConfig c;

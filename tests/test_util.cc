@@ -6,11 +6,19 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cpu/flash.h"
+
 namespace mha::test {
 
 uint64_t base_seed() {
   const char* s = std::getenv("MHA_TEST_SEED");
   return s ? std::strtoull(s, nullptr, 10) : 20261130ull;
+}
+
+void restore_kernel_switches() {
+  kernels::force_simd_target("");
+  kernels::allow_decode_dot_products(true);
+  kernels::allow_decode_avx512_vnni(true);
 }
 
 uint64_t Rng::next() {

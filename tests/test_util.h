@@ -20,6 +20,18 @@ namespace mha::test {
 // The base seed of randomized tests: MHA_TEST_SEED if set, else a fixed value.
 uint64_t base_seed();
 
+// Puts back the kernels' run-time switches that a test changed (kernels/cpu/flash.h): the SIMD
+// target, the decode kernel's dot products, VNNI. RestoreKernelSwitches does it when it goes out
+// of scope, also when an assertion ends the test early, so that no later test runs on a switch
+// left off.
+void restore_kernel_switches();
+struct RestoreKernelSwitches {
+  RestoreKernelSwitches() = default;
+  RestoreKernelSwitches(const RestoreKernelSwitches&) = delete;
+  RestoreKernelSwitches& operator=(const RestoreKernelSwitches&) = delete;
+  ~RestoreKernelSwitches() { restore_kernel_switches(); }
+};
+
 // A small deterministic generator (splitmix64) for test data.
 class Rng {
  public:
