@@ -96,8 +96,9 @@ TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
 // both paths' scores are the exact Σ q·k / 1024 (integer sums far below 2^24, times powers of
 // two). Values are their codes too. So the float path gives softmax(s)·V to float32 rounding
 // (16u allowed), and the dot products to within their value pass's rounding of P to bfloat16,
-// 2^-8 of each term, all terms positive (2^-8 · (1 + 2^-10) allowed). A score off by 1% moves
-// P by ~4% here (scores spread over ±7).
+// 2^-8 of each term, all terms positive (2^-8 · (1 + 2^-10) allowed; the AVX2 value pass on
+// byte weights is turned off: its rounding, Int4ByteValuesWithinTheirBound below, would hide
+// what this test looks for). A score off by 1% moves P by ~4% here (scores spread over ±7).
 TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
   constexpr int64_t G = 4, L = 45, D = 64;
   KvCacheConfig c;
@@ -127,6 +128,7 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
   options.scale = 1.0f / 1024;
   const NaiveResult want = naive_attention({q.view<float>(), k.view<float>(), v.view<float>()}, options);
   const RestoreKernelSwitches restore;
+  kernels::allow_decode_byte_values(false);
   for (bool dots : {false, true}) {
     kernels::allow_decode_dot_products(dots);
     SCOPED_TRACE(dots ? "dot products where the CPU has them" : "float path");
@@ -139,6 +141,93 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
         ASSERT_NEAR(out.view<float>().at(0, h, 0, e), w, tol) << "head " << h << ", column " << e;
       }
   }
+}
+
+// The AVX2 target's int4 value pass on byte weights (Int4Output256) against its float value
+// pass, both after the same key pass (integer products on an exact problem as in
+// Int4KeyScoresExactWhereTheRoundingsAre, with random codes; L = 301: five blocks, the last
+// partial), so that the two differ by the weights' rounding alone. Values are their codes (scale 1, minimum 0: each
+// group holds a 0 and a 15). Per block, row and group the pass rounds w_j = P_j·scale_j to a
+// multiple of a step below 2·Pmax·Smax/255 (docs/numerics.md), so each w_j moves by less than
+// Pmax·Smax/255, and the output by that times |code_j − 8| ≤ 8. In final softmax weights p
+// (naive_attention's), Pmax/l is the largest p of the key's block, at most p̂_j = the largest
+// of the 127 keys around j (a block has 64 keys on AVX2): |Δo| ≤ (8/255)·Σ_j p̂_j. That is the
+// worst case, all roundings one way (~20% of the output here); the roundings are independent,
+// each uniform within ±step/2, so Δo has σ ≤ √(Σ_j p̂_j²·(code_j − 8)²/3)/255, and 6σ is
+// checked too. Both allow the float pass's rounding, 16u of the output. The pass must differ
+// from the float pass somewhere: else it did not run.
+TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
+  const std::vector<std::string> targets = kernels::simd_targets();
+  if (std::find(targets.begin(), targets.end(), "AVX2") == targets.end() || !kernels::decode_byte_values())
+    GTEST_SKIP() << "this CPU has no AVX2: the byte value pass does not run";
+  constexpr int64_t G = 4, L = 301, D = 64;
+  KvCacheConfig c;
+  c.kv_heads = 1;
+  c.head_dim_qk = c.head_dim_v = D;
+  c.dtype = CacheType::kInt4;
+  KvCache cache(c);
+  Rng rng(base_seed() + 807);
+  Tensor k(DType::kF32, {1, 1, L, D}), v(DType::kF32, {1, 1, L, D});
+  // Random codes, each group of a key or value row with a 0 and a 15, and every key channel
+  // with a 15 (keys 0 and 1 alternate them): the codes are the values, the key channel scales
+  // all equal. Random, so that the scores (and the weights' roundings) do not repeat.
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t e = 0; e < D; ++e) {
+      const int64_t at = (e - 2 * t) % 32 + (e - 2 * t < 0 && (e - 2 * t) % 32 != 0 ? 32 : 0);
+      const int64_t key = t < 2 ? ((e + t) % 2 ? 0 : 15) : at == 0 ? 0 : at == 1 ? 15 : rng.range(0, 15);
+      k.view<float>().at(0, 0, t, e) = static_cast<float>(key);
+      v.view<float>().at(0, 0, t, e) = static_cast<float>(e % 32 == 0 ? 0 : e % 32 == 1 ? 15 : rng.range(0, 15));
+    }
+  cache.append(k.view<float>(), v.view<float>());
+  const Tensor keys = cache.keys_as_float(), values = cache.values_as_float();
+  for (int64_t t = 0; t < L; ++t)  // stored exactly
+    for (int64_t e = 0; e < D; ++e) {
+      ASSERT_EQ(keys.view<float>().at(0, 0, t, e), k.view<float>().at(0, 0, t, e));
+      ASSERT_EQ(values.view<float>().at(0, 0, t, e), v.view<float>().at(0, 0, t, e));
+    }
+  Tensor q(DType::kF32, {1, G, 1, D}), bytes(DType::kF32, {1, G, 1, D}), floats(DType::kF32, {1, G, 1, D});
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t e = 0; e < D; ++e)
+      q.view<float>().at(0, h, 0, e) = e == h ? (h % 2 ? -127.0f : 127.0f) : static_cast<float>(rng.range(-127, 127));
+  AttentionOptions options;
+  options.scale = 1.0f / 1024;
+  const NaiveResult want = naive_attention({q.view<float>(), k.view<float>(), v.view<float>()}, options);
+  const RestoreKernelSwitches restore;
+  kernels::force_simd_target("AVX2");
+  attend(q.view<float>(), cache, bytes.view<float>(), options);
+  kernels::allow_decode_byte_values(false);
+  attend(q.view<float>(), cache, floats.view<float>(), options);
+  int64_t differ = 0;
+  double worst = 0, worst_sigmas = 0, diff2 = 0, norm2 = 0;
+  for (int64_t h = 0; h < G; ++h) {
+    const double* p = want.weights.data() + h * L;
+    std::vector<double> top(L);  // p̂_j
+    for (int64_t j = 0; j < L; ++j)
+      top[j] = *std::max_element(p + std::max<int64_t>(0, j - 63), p + std::min(L, j + 64));
+    double worst_case = 0;
+    for (int64_t j = 0; j < L; ++j) worst_case += 8.0 / 255 * top[j];
+    for (int64_t e = 0; e < D; ++e) {
+      double var = 0;
+      for (int64_t j = 0; j < L; ++j) {
+        const double x = top[j] * (v.view<float>().at(0, 0, j, e) - 8.0);
+        var += x * x / 3;
+      }
+      const double sigma = std::sqrt(var) / 255, rounding = 16.0 * 15 / (1 << 24);
+      const double got = bytes.view<float>().at(0, h, 0, e), ref = floats.view<float>().at(0, h, 0, e);
+      EXPECT_LE(std::abs(got - ref), worst_case + rounding) << "head " << h << ", column " << e;
+      EXPECT_LE(std::abs(got - ref), 6 * sigma + rounding) << "head " << h << ", column " << e;
+      differ += got != ref;
+      diff2 += (got - ref) * (got - ref);
+      norm2 += ref * ref;
+      worst = std::max(worst, std::abs(got - ref));
+      worst_sigmas = std::max(worst_sigmas, std::abs(got - ref) / sigma);
+    }
+  }
+  EXPECT_GT(differ, 0) << "the byte value pass gave the float pass's bits: did it run?";
+  std::printf("byte value pass against the float value pass: %lld of %lld outputs differ, the largest by %.3g "
+              "(%.2f sigma), norm-wise by %.3g\n",
+              static_cast<long long>(differ), static_cast<long long>(G * D), worst, worst_sigmas,
+              std::sqrt(diff2 / norm2));
 }
 
 // The error of decoding from a quantized cache against a float32 cache of the same keys and

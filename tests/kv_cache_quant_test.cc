@@ -280,12 +280,16 @@ INSTANTIATE_TEST_SUITE_P(Types, KvCacheQuant, ::testing::Values(CacheType::kInt8
 // (measured ≤ 2.0e-2 with the value pass below): that case allows 2^-4, 256 × 2^-12. With bfloat16 dot
 // products (AVX-512 BF16) an int4 cache's values and the weights P are rounded to bfloat16 in the
 // value pass (u = 2^-8 each): a product moves by at most 2^-7 of itself, and norm-wise the output
-// by ~2^-9 (independent roundings; measured ≤ 3.7e-3 = 2^-8.1): that case allows 2^-6.
+// by ~2^-9 (independent roundings; measured ≤ 3.7e-3 = 2^-8.1): that case allows 2^-6. On the
+// AVX2 target an int4 cache's value pass multiplies the codes by weights P·scale rounded to
+// bytes on a step of the block's largest (Int4Output256), which moves the output by ~2^-8
+// norm-wise; with the 8-bit query of its keys, that case keeps 2^-4 (measured ≤ 2.1e-2).
 // Every third trial has a key channel 20× larger (an outlier); short first appends pick some too.
 struct KernelCase {
   std::string target;
   CacheType type;
-  bool dots;  // dot products where the CPU has them (integer for keys, on AVX3 bfloat16 for int4 values)
+  // Dot products where the CPU has them: integer for keys; for int4 values bfloat16 on AVX3, bytes on AVX2.
+  bool dots;
   bool vnni = true;  // AVX3: false takes the AVX2 integer path, as a CPU without AVX-512 VNNI does
 };
 
@@ -397,7 +401,8 @@ INSTANTIATE_TEST_SUITE_P(Targets, QuantDecode, ::testing::ValuesIn(kernel_cases(
 // append has fixed the channel scales, so they agree to float32 rounding; windowed chunks too.
 // With the decode kernel's dot products (where the CPU has them) to QuantDecode's bounds above:
 // int8 keys meet a query rounded to 16 bits (2^-12), int4 keys one rounded to 8 bits (2^-4) and
-// int4 values are rounded to bfloat16 (2^-6). The same stored values need the same keys and
+// int4 values are rounded to bfloat16 (2^-6; on AVX2 the weights to bytes, within the 2^-4 of
+// its keys). The same stored values need the same keys and
 // values from the projections, but a projection of 20 rows and one of a single row may round
 // differently, and a last-bit difference can move a value that sits on a code's rounding
 // boundary by a whole code (a later seed: int8, 3.4e-4 in the output). So the inputs and the

@@ -19,6 +19,7 @@ void restore_kernel_switches() {
   kernels::force_simd_target("");
   kernels::allow_decode_dot_products(true);
   kernels::allow_decode_avx512_vnni(true);
+  kernels::allow_decode_byte_values(true);
 }
 
 uint64_t Rng::next() {

@@ -67,10 +67,8 @@ constexpr bool FoldsValueScales() {
 // of N keys' rows (a block's value rows may lie in different pages; scalar copies took the
 // gain away), which the products then read by vectors.
 template <class Kv>
-HWY_INLINE void FoldValueWeights(DF d, const float* pr, size_t ldp, size_t R, const typename Kv::Row* vrows, size_t jn,
-                                 size_t groups, float* HWY_RESTRICT st, float* HWY_RESTRICT w,
-                                 float* HWY_RESTRICT mins) {
-  using V = hn::Vec<DF>;
+HWY_INLINE void TransposeValueScales(DF d, size_t ldp, const typename Kv::Row* vrows, size_t jn, size_t groups,
+                                     float* HWY_RESTRICT st) {
   const size_t N = hn::Lanes(d), jv = (jn + N - 1) / N * N;
   const float* rows[hn::MaxLanes(DF())];
   for (size_t x0 = 0; x0 < jn; x0 += N) {
@@ -81,6 +79,15 @@ HWY_INLINE void FoldValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
     }
   }
   for (size_t i = 0; i < 2 * groups; ++i) std::fill(st + i * ldp + jn, st + i * ldp + jv, 0.0f);
+}
+
+template <class Kv>
+HWY_INLINE void FoldValueWeights(DF d, const float* pr, size_t ldp, size_t R, const typename Kv::Row* vrows, size_t jn,
+                                 size_t groups, float* HWY_RESTRICT st, float* HWY_RESTRICT w,
+                                 float* HWY_RESTRICT mins) {
+  using V = hn::Vec<DF>;
+  const size_t N = hn::Lanes(d), jv = (jn + N - 1) / N * N;
+  TransposeValueScales<Kv>(d, ldp, vrows, jn, groups, st);
   for (size_t g = 0; g < groups; ++g) {
     const float* scale = st + 2 * g * ldp;
     const float* minimum = scale + ldp;

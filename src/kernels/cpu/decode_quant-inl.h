@@ -227,6 +227,152 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t la
 #define MHA_DECODE_INT_DOTS 0
 #endif
 
+#undef MHA_DECODE_BYTE_VALUES
+#if HWY_TARGET == HWY_AVX2
+// The weights of Int4Output256 for rows r < R (P at pr + r·ldp, the block's keys j < jn) and
+// value groups g < groups: w_j = P_j·scale_g(j) rounded to a byte, u_j = round(w_j / step) with
+// step the power of two at or above Pmax_r·Smax_g / 255 (Pmax_r: the row's largest P in the
+// block, from the softmax; Smax_g: the keys' largest scale in the group), so that no weight
+// passes 255 steps and the largest takes at least 128: u[(g·R + r)·ldp + j] (zeros from jn up
+// to a whole vector), steps[g·R + r]. A power of two keeps w / step exact, so weights of 1 and
+// 0, or all equal, are exact bytes. mins[g·R + r] = Σ_j P_j·(minimum_g(j) + 8·scale_g(j)), for
+// the pass multiplies each u_j by code − 8. The keys' scales are first transposed into st (as
+// FoldValueWeights does). False where a Pmax is not finite, or a scale is negative or a scale
+// or minimum not finite: the float pass then takes the block. steps needs groups · (R + 1).
+template <class Kv>
+HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, const float* pmax,
+                                 const typename Kv::Row* vrows, size_t jn, size_t groups, float* HWY_RESTRICT st,
+                                 uint8_t* HWY_RESTRICT u, float* steps, float* mins) {
+  using V = hn::Vec<DF>;
+  const size_t N = hn::Lanes(d), jv = (jn + N - 1) / N * N;
+  for (size_t r = 0; r < R; ++r)
+    if (!std::isfinite(pmax[r])) return false;
+  TransposeValueScales<Kv>(d, ldp, vrows, jn, groups, st);
+  float* smax = steps + groups * R;
+  for (size_t g = 0; g < groups; ++g) {  // every group checked before any weight is written
+    const float* scale = st + 2 * g * ldp;
+    V top = hn::Zero(d);
+    auto ok = hn::Eq(top, top);
+    for (size_t j = 0; j < jv; j += N) {
+      const V x = hn::Load(d, scale + j);
+      ok = hn::And(ok, hn::And(hn::Ge(x, hn::Zero(d)), hn::IsFinite(hn::Load(d, scale + ldp + j))));
+      top = hn::Max(top, x);
+    }
+    smax[g] = hn::GetLane(hn::MaxOfLanes(d, top));
+    if (!hn::AllTrue(d, ok) || !std::isfinite(smax[g])) return false;
+  }
+  // Bytes 0-3 of each 128-bit half after the packs: keys 0-3, 8-11 | 4-7, 12-15 (words), then
+  // 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31 (bytes): dwords 0, 4, 1, 5, 2, 6, 3, 7 in order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (size_t g = 0; g < groups; ++g) {
+    const float* scale = st + 2 * g * ldp;
+    float* mid = st + (2 * g + 1) * ldp;
+    for (size_t j = 0; j < jv; j += N)  // minimum + 8·scale
+      hn::Store(hn::MulAdd(hn::Load(d, scale + j), hn::Set(d, 8.0f), hn::Load(d, mid + j)), d, mid + j);
+    for (size_t r = 0; r < R; ++r) {
+      const float* p = pr + r * ldp;
+      const size_t i = g * R + r;
+      // Rounded up to a power of two: the exponent's next step unless the mantissa is 0 (a
+      // subnormal bound gives 2^-126, 0 gives 0); finite, below 2^122.
+      const float bound = pmax[r] * (smax[g] / 255.0f);
+      uint32_t bits;
+      std::memcpy(&bits, &bound, sizeof bits);
+      bits = (bits + 0x007FFFFFu) & 0xFF800000u;
+      std::memcpy(&steps[i], &bits, sizeof bits);
+      const V inv = hn::Set(d, steps[i] > 0.0f ? 1.0f / steps[i] : 0.0f);
+      for (size_t j = 0; j < jv; j += 4 * N) {  // a last part may read past jv: its bytes are never used
+        __m256i c[4];
+        for (size_t k = 0; k < 4; ++k) {
+          const V w = hn::Mul(hn::Load(d, p + j + k * N), hn::Load(d, scale + j + k * N));
+          c[k] = _mm256_cvtps_epi32(hn::Mul(w, inv).raw);
+        }
+        const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + i * ldp + j), _mm256_permutevar8x32_epi32(b, order));
+      }
+    }
+  }
+  // mins: each row against 4 groups' mid rows at a time (4 independent sums), then the 4 sums
+  // reduced together.
+  for (size_t r = 0; r < R; ++r) {
+    const float* p = pr + r * ldp;
+    for (size_t g0 = 0; g0 < groups; g0 += 4) {
+      const size_t ng = std::min<size_t>(4, groups - g0);
+      __m256 m[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (size_t j = 0; j < jv; j += N) {
+        const __m256 x = _mm256_loadu_ps(p + j);
+        for (size_t k = 0; k < 4; ++k)
+          if (k < ng) m[k] = _mm256_fmadd_ps(x, _mm256_loadu_ps(st + (2 * (g0 + k) + 1) * ldp + j), m[k]);
+      }
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(m[0], m[1]), _mm256_hadd_ps(m[2], m[3]));
+      float sums[4];
+      _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+      for (size_t k = 0; k < ng; ++k) mins[(g0 + k) * R + r] = sums[k];
+    }
+  }
+  return true;
+}
+
+// The value pass over an int4 cache with AVX2's 8-bit integer products, RT rows and the columns
+// [c0, c0 + ncols) of one group (ncols ≤ 32): O = alpha·O + mins + Σ_j step·u_j·(code_j − 8)
+// (ByteValueWeights's bytes u, steps and mins of the rows). Keys in pairs: the two keys' 16 bytes
+// of the group interleaved, so that each 16-bit lane holds a column's two codes (low nibbles:
+// columns 0-15, high: 16-31), and vpmaddubsw multiplies them by the pair's two weights and adds
+// the products: 32 products per instruction, where an FMA has 8. The 16-bit sums take 8 pairs:
+// |Σ| ≤ 16·255·8 = 32640, then are widened and added into O in float, times the step.
+template <size_t RT, bool kWhole>
+HWY_INLINE void Int4Output256(const uint8_t* u, size_t ldu, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows,
+                              size_t c0, size_t ncols, size_t jn, const float* alpha, const float* mins,
+                              const float* steps, float* o, size_t ldo, KeyRange prefetch) {
+  const size_t nv = kWhole ? 4 : (ncols + 7) / 8;
+  for (size_t r = 0; r < RT; ++r) {
+    const __m256 a = _mm256_set1_ps(alpha[r]), m = _mm256_set1_ps(mins[r]);
+    for (size_t v = 0; v < nv; ++v)
+      _mm256_storeu_ps(o + r * ldo + v * 8, _mm256_fmadd_ps(_mm256_loadu_ps(o + r * ldo + v * 8), a, m));
+  }
+  const __m256i nibble = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  // Key pairs [j, j1) into the rows' 16-bit sums.
+  auto add_pairs = [&](size_t j, size_t j1, __m256i* lo, __m256i* hi) HWY_ATTR {
+    for (; j < j1; j += 2) {
+      // An odd last key pairs with itself, weighted by u[jn] = 0.
+      const __m128i xa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(QuantKv<4>::Columns(vrows[j], c0).codes));
+      const __m128i xb = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(QuantKv<4>::Columns(vrows[std::min(j + 1, jn - 1)], c0).codes));
+      const __m256i x = _mm256_set_m128i(_mm_unpackhi_epi8(xa, xb), _mm_unpacklo_epi8(xa, xb));
+      const __m256i cl = _mm256_sub_epi8(_mm256_and_si256(x, nibble), eight);
+      const __m256i ch = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x, 4), nibble), eight);
+      for (size_t r = 0; r < RT; ++r) {
+        int16_t pair;
+        std::memcpy(&pair, u + r * ldu + j, sizeof(pair));
+        const __m256i wv = _mm256_set1_epi16(pair);
+        lo[r] = _mm256_add_epi16(_mm256_maddubs_epi16(wv, cl), lo[r]);
+        hi[r] = _mm256_add_epi16(_mm256_maddubs_epi16(wv, ch), hi[r]);
+      }
+    }
+  };
+  // The pass's share of the next block's value rows, a pair per address, before its keys.
+  for (int64_t j = 0; j < static_cast<int64_t>(jn) && prefetch.lo + j < prefetch.hi; j += 2)
+    kv.PrefetchValuePair(prefetch.lo + j);
+  for (size_t j0 = 0; j0 < jn; j0 += 16) {
+    __m256i lo[RT], hi[RT];
+    for (size_t r = 0; r < RT; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    add_pairs(j0, std::min(jn, j0 + 16), lo, hi);
+    for (size_t r = 0; r < RT; ++r) {
+      const __m256 st = _mm256_set1_ps(steps[r]);
+      float* out = o + r * ldo;
+      const __m256i s32[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo[r])),
+                              _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo[r], 1)),
+                              _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi[r])),
+                              _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi[r], 1))};
+      for (size_t v = 0; v < nv; ++v)
+        _mm256_storeu_ps(out + v * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[v]), st, _mm256_loadu_ps(out + v * 8)));
+    }
+  }
+}
+#define MHA_DECODE_BYTE_VALUES 1
+#else
+#define MHA_DECODE_BYTE_VALUES 0
+#endif
+
 #undef MHA_DECODE_DOTS
 #if HWY_TARGET == HWY_AVX3
 // TileScores with 8-bit integer dot products (AVX-512 VNNI, checked at run time: the AVX3 target

@@ -43,6 +43,11 @@ bool decode_avx512_vnni();
 bool decode_bf16_dots();
 void allow_decode_dot_products(bool allow);
 void allow_decode_avx512_vnni(bool allow);
+// Whether the AVX2 target reads an int4 cache's values with 8-bit integer products on weights
+// rounded to bytes (Int4Output256), where the CPU has AVX2 and dot products are allowed: tests
+// turn it off alone to check the integer key products exactly.
+bool decode_byte_values();
+void allow_decode_byte_values(bool allow);
 
 // SIMD targets compiled in and supported here, best first ("AVX3", "AVX2", "EMU128"), and a
 // way to restrict dispatch to one of them (tests, benchmarks); "" restores the default.

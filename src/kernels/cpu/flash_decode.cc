@@ -59,6 +59,9 @@ using decode::QueryForm;
 using decode::RepeatWords;
 using decode::TileDots256;
 #endif
+#if MHA_DECODE_BYTE_VALUES
+using decode::Int4Output256;
+#endif
 #if MHA_DECODE_DOTS
 using decode::Bf16Scores;
 using decode::Int4Output;
@@ -272,6 +275,16 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   float* vstage = kFold ? ws.get<float>(Workspace::kDecodeValueScales, 2 * vgroups * block) : nullptr;
   float* vweights = kFold ? ws.get<float>(Workspace::kDecodeValueWeights, vgroups * R * block) : nullptr;
   float* vmins = kFold ? ws.get<float>(Workspace::kDecodeValueMins, vgroups * R) : nullptr;
+  // int4 values on AVX2 with 8-bit integer products where allowed (Int4Output256): the folded
+  // weights rounded to bytes, per block (ByteValueWeights), passes of kTileRows rows.
+#if MHA_DECODE_BYTE_VALUES
+  const bool byte_values = std::is_same_v<Kv, QuantKv<4>> && decode_byte_values();
+  uint8_t* vbytes = byte_values ? ws.get<uint8_t>(Workspace::kDecodeValueBytes, vgroups * R * block) : nullptr;
+  float* vsteps = byte_values ? ws.get<float>(Workspace::kDecodeValueSteps, vgroups * (R + 1)) : nullptr;
+#else
+  constexpr bool byte_values = false;
+#endif
+  float pmax[kMaxDecodeRows];  // each row's largest P in the block (Int4Output256's weights)
   const hn::RebindToSigned<DF> di;
 
   const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
@@ -279,8 +292,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   // block's value rows, an even count each (Int4Output prefetches rows by pairs). All of them in
   // the first pass left the stream idle through the others: spread, the steps at 256 MiB took
   // 2–18% less time, the 16-bit types' the most (docs/benchmarks.md).
-  const int64_t value_passes = static_cast<int64_t>((Dv + kOutVecs * N - 1) / (kOutVecs * N)) *
-                               ((R + static_cast<int64_t>(kRowGroup) - 1) / static_cast<int64_t>(kRowGroup));
+  const int64_t pass_rows = byte_values ? kTileRows : static_cast<int64_t>(kRowGroup);
+  const int64_t value_passes =
+      static_cast<int64_t>((Dv + kOutVecs * N - 1) / (kOutVecs * N)) * ((R + pass_rows - 1) / pass_rows);
   const int64_t value_share = (static_cast<int64_t>(block) + 2 * value_passes - 1) / (2 * value_passes) * 2;
   // The first block's rows, which no earlier block prefetched.
   for (int64_t j = ua; j < std::min(ub, ua + ahead_keys); ++j) {
@@ -434,12 +448,14 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       // (the horizontal max may have dropped it) and reaches l.
       const float shift = m_new == kNegInf ? 0.0f : m_new;
       alpha[r] = m_new == kNegInf ? 1.0f : m[r] == kNegInf ? 0.0f : std::exp2((m[r] - m_new) * kLog2e);
-      auto sum = hn::Zero(d);
+      auto sum = hn::Zero(d), top = hn::Zero(d);
       for (size_t kv = 0; kv < kBlockVecs; ++kv) {
         const auto e = Exp2(d, hn::Mul(hn::Sub(hn::Load(d, sr + kv * N), hn::Set(d, shift)), hn::Set(d, kLog2e)));
         hn::Store(e, d, sr + kv * N);
         sum = hn::Add(sum, e);
+        if (byte_values) top = hn::Max(top, e);
       }
+      if (byte_values) pmax[r] = hn::GetLane(hn::MaxOfLanes(d, top));
       l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       m[r] = m_new;
     }
@@ -457,12 +473,41 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       if (pairs) PairWeights(s, R, block, pw);  // int4 values with bfloat16 dot products (Int4Output)
     }
 #endif
-    if constexpr (kFold) {
-      decode::FoldValueWeights<Kv>(d, s, block, static_cast<size_t>(R), vrows, static_cast<size_t>(jn), vgroups,
-                                   vstage, vweights, vmins);
-    }
     int64_t pass = 0;  // passes over this block's value rows so far
-    for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
+    bool byte_pass = false;  // the block's values taken by Int4Output256
+#if MHA_DECODE_BYTE_VALUES
+    if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
+      byte_pass = byte_values && decode::ByteValueWeights<Kv>(d, s, block, static_cast<size_t>(R), pmax, vrows,
+                                                             static_cast<size_t>(jn), vgroups, vstage, vbytes, vsteps,
+                                                             vmins);
+      for (size_t c0 = 0; byte_pass && c0 < Dv; c0 += kOutVecs * N) {
+        const size_t nc = std::min(kOutVecs * N, Dv - c0), g = c0 / kCacheQuantGroup;
+        for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
+          const int64_t first = j0 + ahead_keys + pass++ * value_share;
+          const KeyRange prefetch{first, std::min(ub, first + value_share)};
+          const size_t i = g * static_cast<size_t>(R) + static_cast<size_t>(r0);
+          WithTileRows(R - r0, [&](auto rt) {
+            constexpr size_t RT = decltype(rt)::value;
+            const uint8_t* u = vbytes + i * block;
+            float* oc = o + r0 * dvp + c0;
+            if (nc == kOutVecs * N) {
+              Int4Output256<RT, true>(u, block, kv, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
+                                      vsteps + i, oc, dvp, prefetch);
+            } else {
+              Int4Output256<RT, false>(u, block, kv, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
+                                       vsteps + i, oc, dvp, prefetch);
+            }
+          });
+        }
+      }
+    }
+#endif
+    if constexpr (kFold) {
+      if (!byte_pass)
+        decode::FoldValueWeights<Kv>(d, s, block, static_cast<size_t>(R), vrows, static_cast<size_t>(jn), vgroups,
+                                     vstage, vweights, vmins);
+    }
+    for (size_t c0 = 0; !byte_pass && c0 < Dv; c0 += kOutVecs * N) {
       const size_t nc = std::min(kOutVecs * N, Dv - c0);
       ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
         float* oc = o + r0 * dvp + c0;
@@ -561,6 +606,9 @@ std::string FlashDecodeName() {
   std::string keys = "float FMAs", values = "float FMAs", bf16_keys = "widened to float";
 #if MHA_DECODE_INT_DOTS
   if (decode_int8_dots()) keys = "AVX2 integer products";
+#endif
+#if MHA_DECODE_BYTE_VALUES
+  if (decode_byte_values()) values = "AVX2 integer products on byte weights";
 #endif
 #if MHA_DECODE_DOTS
   if (decode_avx512_vnni()) keys = "AVX-512 VNNI";

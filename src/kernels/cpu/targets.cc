@@ -19,6 +19,7 @@ std::vector<std::string> simd_targets() {
 namespace {
 std::atomic<bool> dot_products_allowed{true};
 std::atomic<bool> vnni_allowed{true};
+std::atomic<bool> byte_values_allowed{true};
 }  // namespace
 
 // __builtin_cpu_supports takes a string literal, hence a macro; false off x86.
@@ -46,9 +47,17 @@ bool decode_bf16_dots() {
   return supported && dot_products_allowed.load(std::memory_order_relaxed);
 }
 
+bool decode_byte_values() {
+  static const bool supported = MHA_CPU_SUPPORTS("avx2");
+  return supported && dot_products_allowed.load(std::memory_order_relaxed) &&
+         byte_values_allowed.load(std::memory_order_relaxed);
+}
+
 void allow_decode_dot_products(bool allow) { dot_products_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_decode_avx512_vnni(bool allow) { vnni_allowed.store(allow, std::memory_order_relaxed); }
+
+void allow_decode_byte_values(bool allow) { byte_values_allowed.store(allow, std::memory_order_relaxed); }
 
 void force_simd_target(const std::string& name) {
   if (name.empty()) {
