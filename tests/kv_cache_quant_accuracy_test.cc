@@ -87,6 +87,37 @@ TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
   }
 }
 
+// A cache of one int4 kv head of head dim D, for the exact problems below.
+KvCacheConfig Int4Config(int64_t D) {
+  KvCacheConfig c;
+  c.kv_heads = 1;
+  c.head_dim_qk = c.head_dim_v = D;
+  c.dtype = CacheType::kInt4;
+  return c;
+}
+
+// Entries of k and v (1, 1, L, D) that the cache stores differently: 0 where the codes are the values.
+int64_t StoredDifferently(const KvCache& cache, const Tensor& k, const Tensor& v) {
+  const Tensor keys = cache.keys_as_float(), values = cache.values_as_float();
+  int64_t differ = 0;
+  for (int64_t t = 0; t < k.shape()[2]; ++t)
+    for (int64_t e = 0; e < k.shape()[3]; ++e) {
+      differ += keys.view<float>().at(0, 0, t, e) != k.view<float>().at(0, 0, t, e);
+      differ += values.view<float>().at(0, 0, t, e) != v.view<float>().at(0, 0, t, e);
+    }
+  return differ;
+}
+
+// G query rows of D integers of [-127, 127], row h with ±127 at entry h: the 8-bit query of the
+// integer key products is then the integers themselves.
+Tensor IntegerQueries(Rng& rng, int64_t G, int64_t D) {
+  Tensor q(DType::kF32, {1, G, 1, D});
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t e = 0; e < D; ++e)
+      q.view<float>().at(0, h, 0, e) = e == h ? (h % 2 ? -127.0f : 127.0f) : static_cast<float>(rng.range(-127, 127));
+  return q;
+}
+
 // The int4 keys' scores exactly, on problems where every path's roundings are exact, so that
 // an error of the key pass short of QuantDecode's 2^-4 (a score off by 1%, say) still shows. Key
 // t's channel c is (t + c) mod 16: every channel holds the same values (key channel scales all
@@ -101,11 +132,7 @@ TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
 // what this test looks for). A score off by 1% moves P by ~4% here (scores spread over ±7).
 TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
   constexpr int64_t G = 4, L = 45, D = 64;
-  KvCacheConfig c;
-  c.kv_heads = 1;
-  c.head_dim_qk = c.head_dim_v = D;
-  c.dtype = CacheType::kInt4;
-  KvCache cache(c);
+  KvCache cache(Int4Config(D));
   Rng rng(base_seed() + 806);
   Tensor k(DType::kF32, {1, 1, L, D}), v(DType::kF32, {1, 1, L, D});
   for (int64_t t = 0; t < L; ++t)
@@ -114,16 +141,9 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
       v.view<float>().at(0, 0, t, e) = static_cast<float>((3 * t + 5 * e) % 16);
     }
   cache.append(k.view<float>(), v.view<float>());
-  const Tensor keys = cache.keys_as_float(), values = cache.values_as_float();
-  for (int64_t t = 0; t < L; ++t)  // stored exactly
-    for (int64_t e = 0; e < D; ++e) {
-      ASSERT_EQ(keys.view<float>().at(0, 0, t, e), k.view<float>().at(0, 0, t, e));
-      ASSERT_EQ(values.view<float>().at(0, 0, t, e), v.view<float>().at(0, 0, t, e));
-    }
-  Tensor q(DType::kF32, {1, G, 1, D}), out(DType::kF32, {1, G, 1, D});
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t e = 0; e < D; ++e)
-      q.view<float>().at(0, h, 0, e) = e == h ? (h % 2 ? -127.0f : 127.0f) : static_cast<float>(rng.range(-127, 127));
+  ASSERT_EQ(StoredDifferently(cache, k, v), 0);
+  const Tensor q = IntegerQueries(rng, G, D);
+  Tensor out(DType::kF32, {1, G, 1, D});
   AttentionOptions options;
   options.scale = 1.0f / 1024;
   const NaiveResult want = naive_attention({q.view<float>(), k.view<float>(), v.view<float>()}, options);
@@ -161,11 +181,7 @@ TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
   if (std::find(targets.begin(), targets.end(), "AVX2") == targets.end() || !kernels::decode_byte_values())
     GTEST_SKIP() << "this CPU has no AVX2: the byte value pass does not run";
   constexpr int64_t G = 4, L = 301, D = 64;
-  KvCacheConfig c;
-  c.kv_heads = 1;
-  c.head_dim_qk = c.head_dim_v = D;
-  c.dtype = CacheType::kInt4;
-  KvCache cache(c);
+  KvCache cache(Int4Config(D));
   Rng rng(base_seed() + 807);
   Tensor k(DType::kF32, {1, 1, L, D}), v(DType::kF32, {1, 1, L, D});
   // Random codes, each group of a key or value row with a 0 and a 15, and every key channel
@@ -173,22 +189,15 @@ TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
   // all equal. Random, so that the scores (and the weights' roundings) do not repeat.
   for (int64_t t = 0; t < L; ++t)
     for (int64_t e = 0; e < D; ++e) {
-      const int64_t at = (e - 2 * t) % 32 + (e - 2 * t < 0 && (e - 2 * t) % 32 != 0 ? 32 : 0);
+      const int64_t at = ((e - 2 * t) % 32 + 32) % 32;
       const int64_t key = t < 2 ? ((e + t) % 2 ? 0 : 15) : at == 0 ? 0 : at == 1 ? 15 : rng.range(0, 15);
       k.view<float>().at(0, 0, t, e) = static_cast<float>(key);
       v.view<float>().at(0, 0, t, e) = static_cast<float>(e % 32 == 0 ? 0 : e % 32 == 1 ? 15 : rng.range(0, 15));
     }
   cache.append(k.view<float>(), v.view<float>());
-  const Tensor keys = cache.keys_as_float(), values = cache.values_as_float();
-  for (int64_t t = 0; t < L; ++t)  // stored exactly
-    for (int64_t e = 0; e < D; ++e) {
-      ASSERT_EQ(keys.view<float>().at(0, 0, t, e), k.view<float>().at(0, 0, t, e));
-      ASSERT_EQ(values.view<float>().at(0, 0, t, e), v.view<float>().at(0, 0, t, e));
-    }
-  Tensor q(DType::kF32, {1, G, 1, D}), bytes(DType::kF32, {1, G, 1, D}), floats(DType::kF32, {1, G, 1, D});
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t e = 0; e < D; ++e)
-      q.view<float>().at(0, h, 0, e) = e == h ? (h % 2 ? -127.0f : 127.0f) : static_cast<float>(rng.range(-127, 127));
+  ASSERT_EQ(StoredDifferently(cache, k, v), 0);
+  const Tensor q = IntegerQueries(rng, G, D);
+  Tensor bytes(DType::kF32, {1, G, 1, D}), floats(DType::kF32, {1, G, 1, D});
   AttentionOptions options;
   options.scale = 1.0f / 1024;
   const NaiveResult want = naive_attention({q.view<float>(), k.view<float>(), v.view<float>()}, options);
