@@ -163,9 +163,11 @@ class KvCache {
 // up to itself (causal, bottom-right aligned); a windowed cache takes n = 1 (its ring then holds
 // exactly the query's window). 16-bit caches round the queries to their type; int8/int4 caches
 // are read in their stored format (dequantized in registers) for up to 16 query rows per kv
-// head, else dequantized to float32 first; where the CPU has AVX-512 VNNI / BF16, that kernel
-// rounds the queries to 16 bits for the key scores and, over int4, the attention weights and
-// values to bfloat16 for the value pass (docs/numerics.md). options: scale, num_threads and
+// head, else dequantized to float32 first; for integer dot products (x86: AVX2 or AVX-512
+// VNNI) that kernel rounds the queries to 16 bits (int8 keys) or 8 bits (int4 keys) for the key
+// scores, and over int4 values it rounds the attention weights and values to bfloat16 (AVX-512
+// BF16) or the weights times the values' scales to bytes (AVX2) for the value pass
+// (docs/numerics.md). options: scale, num_threads and
 // backend (causal, window and dropout_p must be unset). Any violated shape is an mha::Error.
 void attend(const View<const float>& q, const KvCache& cache, const View<float>& out,
             const AttentionOptions& options = {});

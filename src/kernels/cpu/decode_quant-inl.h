@@ -233,7 +233,7 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t la
 // value groups g < groups: w_j = P_j·scale_g(j) rounded to a byte, u_j = round(w_j / step) with
 // step the power of two at or above Pmax_r·Smax_g / 255 (Pmax_r: the row's largest P in the
 // block, from the softmax; Smax_g: the keys' largest scale in the group), so that no weight
-// passes 255 steps and the largest takes at least 128: u[(g·R + r)·ldp + j] (zeros from jn up
+// passes 255 steps (Pmax_r·Smax_g would take 128 to 255): u[(g·R + r)·ldp + j] (zeros from jn up
 // to a whole vector), steps[g·R + r]. A power of two keeps w / step exact, so weights of 1 and
 // 0, or all equal, are exact bytes. mins[g·R + r] = Σ_j P_j·(minimum_g(j) + 8·scale_g(j)), for
 // the pass multiplies each u_j by code − 8. The keys' scales are first transposed into st (as
