@@ -284,7 +284,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 #else
   constexpr bool byte_values = false;
 #endif
-  float pmax[kMaxDecodeRows];  // each row's largest P in the block (Int4Output256's weights)
+  // Each row's largest P in the block (Int4Output256's weights; unused by the other paths).
+  [[maybe_unused]] float pmax[kMaxDecodeRows];
   const hn::RebindToSigned<DF> di;
 
   const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
