@@ -163,23 +163,28 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
   }
 }
 
-// The AVX2 target's int4 value pass on byte weights (Int4Output256) against its float value
-// pass, both after the same key pass (integer products on an exact problem as in
-// Int4KeyScoresExactWhereTheRoundingsAre, with random codes; L = 301: five blocks, the last
-// partial), so that the two differ by the weights' rounding alone. Values are their codes (scale 1, minimum 0: each
-// group holds a 0 and a 15). Per block, row and group the pass rounds w_j = P_j·scale_j to a
-// multiple of a step below 2·Pmax·Smax/255 (docs/numerics.md), so each w_j moves by less than
-// Pmax·Smax/255, and the output by that times |code_j − 8| ≤ 8. In final softmax weights p
-// (naive_attention's), Pmax/l is the largest p of the key's block, at most p̂_j = the largest
-// of the 127 keys around j (a block has 64 keys on AVX2): |Δo| ≤ (8/255)·Σ_j p̂_j. That is the
-// worst case, all roundings one way (~20% of the output here); the roundings are independent,
-// each uniform within ±step/2, so Δo has σ ≤ √(Σ_j p̂_j²·(code_j − 8)²/3)/255, and 6σ is
-// checked too. Both allow the float pass's rounding, 16u of the output. The pass must differ
-// from the float pass somewhere: else it did not run.
+// The int4 value passes on byte weights (AVX2: Int4Output256; AVX3 with VNNI and VBMI:
+// Int4OutputVnni), each on its target, against the exact attention of an exact problem: integer
+// products as in Int4KeyScoresExactWhereTheRoundingsAre, with random codes; L = 301: several
+// blocks, the last partial. The scores are exact, so that the pass differs from naive_attention
+// by the weights' rounding and the float pass's own (16u of the output). Values are their codes
+// (scale 1, minimum 0: each group holds a 0 and a 15). Per block, row and group the pass rounds
+// w_j = P_j·scale_j to a multiple of a step below 2·Pmax·Smax/255 (docs/numerics.md), so each
+// w_j moves by less than Pmax·Smax/255, and the output by that times |code_j − 8| ≤ 8. In final
+// softmax weights p (naive_attention's), Pmax/l is the largest p of the key's block, at most p̂_j
+// = the largest of the 2·block − 1 keys around j (a block has 64 keys on AVX2, 128 on AVX3):
+// |Δo| ≤ (8/255)·Σ_j p̂_j. That is the worst case, all roundings one way (~20% of the output
+// here); the roundings are independent, each uniform within ±step/2, so Δo has
+// σ ≤ √(Σ_j p̂_j²·(code_j − 8)²/3)/255, and 6σ is checked too. The pass must differ from the
+// target's pass with byte values turned off (float FMAs, or AVX3's bfloat16 dot products)
+// somewhere: else it did not run.
 TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
   const std::vector<std::string> targets = kernels::simd_targets();
-  if (std::find(targets.begin(), targets.end(), "AVX2") == targets.end() || !kernels::decode_byte_values())
-    GTEST_SKIP() << "this CPU has no AVX2: the byte value pass does not run";
+  std::vector<std::pair<std::string, int64_t>> passes;  // target, keys per block
+  const auto has = [&](const char* t) { return std::find(targets.begin(), targets.end(), t) != targets.end(); };
+  if (has("AVX2") && kernels::decode_byte_values()) passes.emplace_back("AVX2", 64);
+  if (has("AVX3") && kernels::decode_vnni_byte_values()) passes.emplace_back("AVX3", 128);
+  if (passes.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VNNI and VBMI: no byte value pass runs";
   constexpr int64_t G = 4, L = 301, D = 64;
   KvCache cache(Int4Config(D));
   Rng rng(base_seed() + 807);
@@ -197,46 +202,49 @@ TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
   cache.append(k.view<float>(), v.view<float>());
   ASSERT_EQ(StoredDifferently(cache, k, v), 0);
   const Tensor q = IntegerQueries(rng, G, D);
-  Tensor bytes(DType::kF32, {1, G, 1, D}), floats(DType::kF32, {1, G, 1, D});
   AttentionOptions options;
   options.scale = 1.0f / 1024;
   const NaiveResult want = naive_attention({q.view<float>(), k.view<float>(), v.view<float>()}, options);
-  const RestoreKernelSwitches restore;
-  kernels::force_simd_target("AVX2");
-  attend(q.view<float>(), cache, bytes.view<float>(), options);
-  kernels::allow_decode_byte_values(false);
-  attend(q.view<float>(), cache, floats.view<float>(), options);
-  int64_t differ = 0;
-  double worst = 0, worst_sigmas = 0, diff2 = 0, norm2 = 0;
-  for (int64_t h = 0; h < G; ++h) {
-    const double* p = want.weights.data() + h * L;
-    std::vector<double> top(L);  // p̂_j
-    for (int64_t j = 0; j < L; ++j)
-      top[j] = *std::max_element(p + std::max<int64_t>(0, j - 63), p + std::min(L, j + 64));
-    double worst_case = 0;
-    for (int64_t j = 0; j < L; ++j) worst_case += 8.0 / 255 * top[j];
-    for (int64_t e = 0; e < D; ++e) {
-      double var = 0;
-      for (int64_t j = 0; j < L; ++j) {
-        const double x = top[j] * (v.view<float>().at(0, 0, j, e) - 8.0);
-        var += x * x / 3;
+  for (const auto& [target, block] : passes) {
+    SCOPED_TRACE(target);
+    Tensor bytes(DType::kF32, {1, G, 1, D}), other(DType::kF32, {1, G, 1, D});
+    const RestoreKernelSwitches restore;
+    kernels::force_simd_target(target);
+    attend(q.view<float>(), cache, bytes.view<float>(), options);
+    kernels::allow_decode_byte_values(false);
+    attend(q.view<float>(), cache, other.view<float>(), options);
+    int64_t differ = 0;
+    double worst = 0, worst_sigmas = 0, diff2 = 0, norm2 = 0;
+    for (int64_t h = 0; h < G; ++h) {
+      const double* p = want.weights.data() + h * L;
+      std::vector<double> top(L);  // p̂_j
+      for (int64_t j = 0; j < L; ++j)
+        top[j] = *std::max_element(p + std::max<int64_t>(0, j - block + 1), p + std::min(L, j + block));
+      double worst_case = 0;
+      for (int64_t j = 0; j < L; ++j) worst_case += 8.0 / 255 * top[j];
+      for (int64_t e = 0; e < D; ++e) {
+        double var = 0;
+        for (int64_t j = 0; j < L; ++j) {
+          const double x = top[j] * (v.view<float>().at(0, 0, j, e) - 8.0);
+          var += x * x / 3;
+        }
+        const double sigma = std::sqrt(var) / 255, rounding = 16.0 * 15 / (1 << 24);
+        const double got = bytes.view<float>().at(0, h, 0, e), ref = want.out[static_cast<size_t>(h * D + e)];
+        EXPECT_LE(std::abs(got - ref), worst_case + rounding) << "head " << h << ", column " << e;
+        EXPECT_LE(std::abs(got - ref), 6 * sigma + rounding) << "head " << h << ", column " << e;
+        differ += got != other.view<float>().at(0, h, 0, e);
+        diff2 += (got - ref) * (got - ref);
+        norm2 += ref * ref;
+        worst = std::max(worst, std::abs(got - ref));
+        worst_sigmas = std::max(worst_sigmas, std::abs(got - ref) / sigma);
       }
-      const double sigma = std::sqrt(var) / 255, rounding = 16.0 * 15 / (1 << 24);
-      const double got = bytes.view<float>().at(0, h, 0, e), ref = floats.view<float>().at(0, h, 0, e);
-      EXPECT_LE(std::abs(got - ref), worst_case + rounding) << "head " << h << ", column " << e;
-      EXPECT_LE(std::abs(got - ref), 6 * sigma + rounding) << "head " << h << ", column " << e;
-      differ += got != ref;
-      diff2 += (got - ref) * (got - ref);
-      norm2 += ref * ref;
-      worst = std::max(worst, std::abs(got - ref));
-      worst_sigmas = std::max(worst_sigmas, std::abs(got - ref) / sigma);
     }
+    EXPECT_GT(differ, 0) << "the byte value pass gave the other pass's bits: did it run?";
+    std::printf("%s byte value pass against exact attention: %lld of %lld outputs differ from the pass without "
+                "byte values; the largest error %.3g (%.2f sigma), norm-wise %.3g\n",
+                target.c_str(), static_cast<long long>(differ), static_cast<long long>(G * D), worst, worst_sigmas,
+                std::sqrt(diff2 / norm2));
   }
-  EXPECT_GT(differ, 0) << "the byte value pass gave the float pass's bits: did it run?";
-  std::printf("byte value pass against the float value pass: %lld of %lld outputs differ, the largest by %.3g "
-              "(%.2f sigma), norm-wise by %.3g\n",
-              static_cast<long long>(differ), static_cast<long long>(G * D), worst, worst_sigmas,
-              std::sqrt(diff2 / norm2));
 }
 
 // The error of decoding from a quantized cache against a float32 cache of the same keys and

@@ -114,11 +114,10 @@ TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
         // Same stored values, the same kernel family: float32 rounding apart (the chunking of
         // the keys over threads differs); a 16-bit result may round to the neighbouring value.
         // int4 with bfloat16 dot products rounds P, which depends on the chunk's running maximum,
-        // to bfloat16: the bound of kv_cache_quant_test.cc's QuantDecode, 2^-6. The AVX2 value
-        // pass on byte weights rounds P·scale on a step of the block's largest (norm-wise
-        // ~2^-8, docs/numerics.md; measured ≤ 2.3e-3 here): the same bound.
-        const bool byte_values = kernels::decode_byte_values() && kernels::simd_targets().front() == "AVX2";
-        const bool bf16_values = type == CacheType::kInt4 && (kernels::decode_bf16_dots() || byte_values);
+        // to bfloat16: the bound of kv_cache_quant_test.cc's QuantDecode, 2^-6. The value passes
+        // on byte weights (AVX2; AVX3 with VNNI) round P·scale on a step of the block's largest
+        // (norm-wise ~2^-8, docs/numerics.md; measured ≤ 2.3e-3 here): the same bound.
+        const bool bf16_values = type == CacheType::kInt4 && int4_values_rounded();
         const double bound = type == CacheType::kBF16 ? 1.0 / 128
                              : type == CacheType::kF16 ? 1.0 / 1024
                              : bf16_values             ? 1.0 / 64

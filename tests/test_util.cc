@@ -22,6 +22,12 @@ void restore_kernel_switches() {
   kernels::allow_decode_byte_values(true);
 }
 
+bool int4_values_rounded() {
+  const std::string best = kernels::simd_targets().front();
+  if (best == "AVX2") return kernels::decode_byte_values();
+  return best == "AVX3" && (kernels::decode_vnni_byte_values() || kernels::decode_bf16_dots());
+}
+
 uint64_t Rng::next() {
   uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

@@ -25,6 +25,9 @@ uint64_t base_seed();
 // of scope, also when an assertion ends the test early, so that no later test runs on a switch
 // left off.
 void restore_kernel_switches();
+// Whether the decode kernel, on its default target, rounds an int4 cache's value pass: its
+// weights to bfloat16 (AVX3, AVX-512 BF16) or to bytes (AVX2, or AVX3 with VNNI and VBMI).
+bool int4_values_rounded();
 struct RestoreKernelSwitches {
   RestoreKernelSwitches() = default;
   RestoreKernelSwitches(const RestoreKernelSwitches&) = delete;

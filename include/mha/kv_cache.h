@@ -165,8 +165,9 @@ class KvCache {
 // are read in their stored format (dequantized in registers) for up to 16 query rows per kv
 // head, else dequantized to float32 first; for integer dot products (x86: AVX2 or AVX-512
 // VNNI) that kernel rounds the queries to 16 bits (int8 keys) or 8 bits (int4 keys) for the key
-// scores, and over int4 values it rounds the attention weights and values to bfloat16 (AVX-512
-// BF16) or the weights times the values' scales to bytes (AVX2) for the value pass
+// scores, and over int4 values it rounds the weights times the values' scales to bytes (AVX2;
+// AVX-512 VNNI and VBMI) or the attention weights and values to bfloat16 (AVX-512 BF16 without
+// them) for the value pass
 // (docs/numerics.md). options: scale, num_threads and
 // backend (causal, window and dropout_p must be unset). Any violated shape is an mha::Error.
 void attend(const View<const float>& q, const KvCache& cache, const View<float>& out,

@@ -41,7 +41,7 @@ def test_batched_decode_matches_torch_on_the_stored_values(dtype):
         # bfloat16: the queries' rounding; int8/int4: the decode kernel may round the query to
         # 16 bits (int8 keys) or 8 bits (int4 keys) for integer dot products, and int4 values and
         # weights to bfloat16 for bfloat16 dot products (AVX-512 BF16), or the weights to bytes
-        # (AVX2) (docs/numerics.md, "The kernel over the codes").
+        # (AVX2; AVX-512 VNNI and VBMI) (docs/numerics.md, "The kernel over the codes").
         bound = {"bfloat16": 1 / 128, "int8": 2**-12, "int4": 2**-4}.get(cache.dtype, 1e-5)
         assert err < bound
 

@@ -3,7 +3,8 @@
 // dot products on a query rounded to 16 or 8 bits by QueryDots (TileDots: AVX-512 VNNI;
 // TileDots256: AVX2's vpmaddubsw / vpmaddwd, on the AVX2 target and on AVX3 CPUs without VNNI;
 // the same integer sums), an int4 cache's values with bfloat16 dot products (Int4Output, on
-// weights rounded by PairWeights), and bfloat16 keys with bfloat16 dot products (Bf16Scores, on
+// weights rounded by PairWeights) or 8-bit integer products on weights rounded to bytes by
+// ByteValueWeights (Int4Output256: AVX2; Int4OutputVnni: AVX-512 VNNI), and bfloat16 keys with bfloat16 dot products (Bf16Scores, on
 // the query's words from QueryBf16). The dot products are intrinsics: AVX-512 VNNI / BF16 ones in
 // functions compiled for those features on top of the AVX3 target's flags (Highway 1.0 has no
 // 8-bit or bfloat16 dot product op; docs/ARCHITECTURE.md), AVX2 ones in the AVX2 and AVX3
@@ -228,8 +229,8 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t la
 #endif
 
 #undef MHA_DECODE_BYTE_VALUES
-#if HWY_TARGET == HWY_AVX2
-// The weights of Int4Output256 for rows r < R (P at pr + r·ldp, the block's keys j < jn) and
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3
+// The weights of Int4Output256 and Int4OutputVnni for rows r < R (P at pr + r·ldp, the block's keys j < jn) and
 // value groups g < groups: w_j = P_j·scale_g(j) rounded to a byte, u_j = round(w_j / step) with
 // step the power of two at or above Pmax_r·Smax_g / 255 (Pmax_r: the row's largest P in the
 // block, from the softmax; Smax_g: the keys' largest scale in the group), so that no weight
@@ -243,23 +244,25 @@ template <class Kv>
 HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, const float* pmax,
                                  const typename Kv::Row* vrows, size_t jn, size_t groups, float* HWY_RESTRICT st,
                                  uint8_t* HWY_RESTRICT u, float* steps, float* mins) {
-  using V = hn::Vec<DF>;
-  const size_t N = hn::Lanes(d), jv = (jn + N - 1) / N * N;
   for (size_t r = 0; r < R; ++r)
     if (!std::isfinite(pmax[r])) return false;
   TransposeValueScales<Kv>(d, ldp, vrows, jn, groups, st);
+  // 256-bit vectors on both targets (AVX2's packs and permutes below).
+  const hn::Full256<float> d8;
+  using V = hn::Vec<decltype(d8)>;
+  const size_t N = hn::Lanes(d8), jv = (jn + N - 1) / N * N;
   float* smax = steps + groups * R;
   for (size_t g = 0; g < groups; ++g) {  // every group checked before any weight is written
     const float* scale = st + 2 * g * ldp;
-    V top = hn::Zero(d);
+    V top = hn::Zero(d8);
     auto ok = hn::Eq(top, top);
     for (size_t j = 0; j < jv; j += N) {
-      const V x = hn::Load(d, scale + j);
-      ok = hn::And(ok, hn::And(hn::Ge(x, hn::Zero(d)), hn::IsFinite(hn::Load(d, scale + ldp + j))));
+      const V x = hn::Load(d8, scale + j);
+      ok = hn::And(ok, hn::And(hn::Ge(x, hn::Zero(d8)), hn::IsFinite(hn::Load(d8, scale + ldp + j))));
       top = hn::Max(top, x);
     }
-    smax[g] = hn::GetLane(hn::MaxOfLanes(d, top));
-    if (!hn::AllTrue(d, ok) || !std::isfinite(smax[g])) return false;
+    smax[g] = hn::GetLane(hn::MaxOfLanes(d8, top));
+    if (!hn::AllTrue(d8, ok) || !std::isfinite(smax[g])) return false;
   }
   // Bytes 0-3 of each 128-bit half after the packs: keys 0-3, 8-11 | 4-7, 12-15 (words), then
   // 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31 (bytes): dwords 0, 4, 1, 5, 2, 6, 3, 7 in order.
@@ -268,7 +271,7 @@ HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
     const float* scale = st + 2 * g * ldp;
     float* mid = st + (2 * g + 1) * ldp;
     for (size_t j = 0; j < jv; j += N)  // minimum + 8·scale
-      hn::Store(hn::MulAdd(hn::Load(d, scale + j), hn::Set(d, 8.0f), hn::Load(d, mid + j)), d, mid + j);
+      hn::Store(hn::MulAdd(hn::Load(d8, scale + j), hn::Set(d8, 8.0f), hn::Load(d8, mid + j)), d8, mid + j);
     for (size_t r = 0; r < R; ++r) {
       const float* p = pr + r * ldp;
       const size_t i = g * R + r;
@@ -279,11 +282,11 @@ HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
       std::memcpy(&bits, &bound, sizeof bits);
       bits = (bits + 0x007FFFFFu) & 0xFF800000u;
       std::memcpy(&steps[i], &bits, sizeof bits);
-      const V inv = hn::Set(d, steps[i] > 0.0f ? 1.0f / steps[i] : 0.0f);
+      const V inv = hn::Set(d8, steps[i] > 0.0f ? 1.0f / steps[i] : 0.0f);
       for (size_t j = 0; j < jv; j += 4 * N) {  // a last part may read past jv: its bytes are never used
         __m256i c[4];
         for (size_t k = 0; k < 4; ++k) {
-          const V w = hn::Mul(hn::Load(d, p + j + k * N), hn::Load(d, scale + j + k * N));
+          const V w = hn::Mul(hn::Load(d8, p + j + k * N), hn::Load(d8, scale + j + k * N));
           c[k] = _mm256_cvtps_epi32(hn::Mul(w, inv).raw);
         }
         const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
@@ -312,6 +315,12 @@ HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
   return true;
 }
 
+#define MHA_DECODE_BYTE_VALUES 1
+#else
+#define MHA_DECODE_BYTE_VALUES 0
+#endif
+
+#if HWY_TARGET == HWY_AVX2
 // The value pass over an int4 cache with AVX2's 8-bit integer products, RT rows and the columns
 // [c0, c0 + ncols) of one group (ncols ≤ 32): O = alpha·O + mins + Σ_j step·u_j·(code_j − 8)
 // (ByteValueWeights's bytes u, steps and mins of the rows). Keys in pairs: the two keys' 16 bytes
@@ -368,9 +377,6 @@ HWY_INLINE void Int4Output256(const uint8_t* u, size_t ldu, const QuantKv<4>& kv
     }
   }
 }
-#define MHA_DECODE_BYTE_VALUES 1
-#else
-#define MHA_DECODE_BYTE_VALUES 0
 #endif
 
 #undef MHA_DECODE_DOTS
@@ -483,6 +489,80 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
   }
   for (size_t r = 0; r < RG; ++r)
     for (size_t c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * ldo + c * 16, acc[r][c]);
+}
+
+// The value pass over an int4 cache with AVX-512 VNNI, RT rows and the NV vectors of 16 columns
+// from c0 (a multiple of 64: groups c0 / 32 and, for NV > 2, the next): O = alpha·O + mins +
+// Σ_j step·u_j·(code_j − 8) per group, on ByteValueWeights's bytes u, steps and mins (a row's
+// at +1, a group's at +ldg, bytes of a row ldu apart). Keys by fours: vpermt2b (AVX-512 VBMI)
+// gathers the four keys' bytes of a column pair into a dword, and vpdpbusd adds the four products
+// weight × (code − 8) into the column's 32-bit lane: 64 products per instruction, where the
+// bfloat16 pass has 32 (and vdpbf16ps ran at a quarter of the FMAs' rate on the Xeon that
+// measured this, docs/benchmarks.md). The sums stay exact in int32 over a block (|Σ| ≤ 255·8
+// per key), then are converted and added into O in float, times the step, once.
+template <size_t RT, size_t NV>
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni,avx512vbmi"))) void Int4OutputVnni(
+    const uint8_t* u, size_t ldu, size_t ldg, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows, size_t c0,
+    size_t jn, const float* alpha, const float* mins, const float* steps, float* o, size_t ldo, KeyRange prefetch) {
+  static_assert(kCacheQuantGroup == 32 && NV <= 4, "a group is two vectors of 16 columns; two groups a pass");
+  constexpr size_t NG = (NV + 1) / 2;  // groups of the pass
+  for (size_t r = 0; r < RT; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (size_t c = 0; c < NV; ++c) {
+      float* out = o + r * ldo + c * 16;
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(out), a, _mm512_set1_ps(mins[c / 2 * ldg + r])));
+    }
+  }
+  // The four keys' 32 bytes (two groups) as [key 0 | key 1] and [key 2 | key 3]; dword i of the
+  // gathers holds byte i (first) or 16 + i (second) of keys 0-3. Byte i of a group holds its
+  // column i (low nibble) and i + 16 (high).
+  __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
+  {
+    alignas(64) uint8_t idx[2][64];
+    for (int i = 0; i < 16; ++i)
+      for (int k = 0; k < 4; ++k) {
+        idx[0][4 * i + k] = static_cast<uint8_t>(32 * k + i);
+        idx[1][4 * i + k] = static_cast<uint8_t>(32 * k + 16 + i);
+      }
+    first = _mm512_load_si512(idx[0]);
+    second = _mm512_load_si512(idx[1]);
+  }
+  const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  __m512i acc[RT][NV];
+  for (size_t r = 0; r < RT; ++r)
+    for (size_t c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_si512();
+  // The pass's share of the next block's value rows, a pair per address, before its keys.
+  for (int64_t j = 0; j < static_cast<int64_t>(jn) && prefetch.lo + j < prefetch.hi; j += 2)
+    kv.PrefetchValuePair(prefetch.lo + j);
+  auto load = [&](size_t j) HWY_ATTR {  // key j's bytes of the pass (keys past jn: the last, weighted 0)
+    const uint8_t* p = QuantKv<4>::Columns(vrows[std::min(j, jn - 1)], c0).codes;
+    if constexpr (NG == 2) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  for (size_t j = 0; j < jn; j += 4) {  // u holds zeros from jn up to a multiple of 8
+    const __m512i k01 = _mm512_inserti64x4(_mm512_castsi256_si512(load(j)), load(j + 1), 1);
+    const __m512i k23 = _mm512_inserti64x4(_mm512_castsi256_si512(load(j + 2)), load(j + 3), 1);
+    __m512i x[2 * NG];
+    for (size_t g = 0; g < NG; ++g) {
+      const __m512i w = _mm512_permutex2var_epi8(k01, g == 0 ? first : second, k23);
+      x[2 * g] = _mm512_sub_epi8(_mm512_and_si512(w, nibble), eight);
+      x[2 * g + 1] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(w, 4), nibble), eight);
+    }
+    for (size_t r = 0; r < RT; ++r)
+      for (size_t g = 0; g < NG; ++g) {
+        int32_t quad;
+        std::memcpy(&quad, u + g * ldg * ldu + r * ldu + j, sizeof(quad));
+        const __m512i wv = _mm512_set1_epi32(quad);
+        acc[r][2 * g] = _mm512_dpbusd_epi32(acc[r][2 * g], wv, x[2 * g]);
+        if (2 * g + 1 < NV) acc[r][2 * g + 1] = _mm512_dpbusd_epi32(acc[r][2 * g + 1], wv, x[2 * g + 1]);
+      }
+  }
+  for (size_t r = 0; r < RT; ++r)
+    for (size_t c = 0; c < NV; ++c) {
+      float* out = o + r * ldo + c * 16;
+      const __m512 st = _mm512_set1_ps(steps[c / 2 * ldg + r]);
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), st, _mm512_loadu_ps(out)));
+    }
 }
 
 // The rows' P (R rows of `block` floats, block a multiple of 32) as bfloat16, rounded to

@@ -34,8 +34,8 @@ std::string flash_decode_name();
 
 // Whether the decode kernel reads int8/int4 key tiles with integer dot products (its AVX3 and AVX2
 // targets: AVX-512 VNNI, else AVX2's vpmaddubsw / vpmaddwd; decode_avx512_vnni() says which), and
-// an int4 cache's values with bfloat16 dot products (AVX3 target, AVX-512 BF16): where the CPU
-// has them, unless turned off (tests reach the targets' float paths so, and with
+// an int4 cache's values with bfloat16 dot products (AVX3 target, AVX-512 BF16, where it has
+// no VNNI and VBMI for decode_vnni_byte_values()): where the CPU has them, unless turned off (tests reach the targets' float paths so, and with
 // allow_decode_avx512_vnni(false) the AVX3 target's AVX2 integer path, which it takes on CPUs
 // without VNNI).
 bool decode_int8_dots();
@@ -45,8 +45,11 @@ void allow_decode_dot_products(bool allow);
 void allow_decode_avx512_vnni(bool allow);
 // Whether the AVX2 target reads an int4 cache's values with 8-bit integer products on weights
 // rounded to bytes (Int4Output256), where the CPU has AVX2 and dot products are allowed: tests
-// turn it off alone to check the integer key products exactly.
+// turn it off alone (on both targets) to check the integer key products exactly.
 bool decode_byte_values();
+// The same on the AVX3 target with AVX-512 VNNI and VBMI (Int4OutputVnni, in place of the
+// bfloat16 dot products), unless VNNI or the byte values are turned off.
+bool decode_vnni_byte_values();
 void allow_decode_byte_values(bool allow);
 
 // SIMD targets compiled in and supported here, best first ("AVX3", "AVX2", "EMU128"), and a

@@ -59,12 +59,13 @@ using decode::QueryForm;
 using decode::RepeatWords;
 using decode::TileDots256;
 #endif
-#if MHA_DECODE_BYTE_VALUES
+#if HWY_TARGET == HWY_AVX2
 using decode::Int4Output256;
 #endif
 #if MHA_DECODE_DOTS
 using decode::Bf16Scores;
 using decode::Int4Output;
+using decode::Int4OutputVnni;
 using decode::PairWeights;
 using decode::QueryBf16;
 using decode::TileDots;
@@ -112,6 +113,18 @@ void Int4OutputCols(const uint32_t* pw, size_t ldw, const QuantKv<4>& kv, const 
     case 2: Int4Output<RG, 2>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
     case 3: Int4Output<RG, 3>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
     default: Int4Output<RG, kOutVecs>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
+  }
+}
+
+template <size_t RT>
+void Int4OutputVnniCols(const uint8_t* u, size_t ldu, size_t ldg, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows,
+                        size_t c0, size_t ncols, size_t jn, const float* alpha, const float* mins, const float* steps,
+                        float* o, size_t ldo, KeyRange prefetch) {
+  switch ((ncols + 15) / 16) {
+    case 1: Int4OutputVnni<RT, 1>(u, ldu, ldg, kv, vrows, c0, jn, alpha, mins, steps, o, ldo, prefetch); break;
+    case 2: Int4OutputVnni<RT, 2>(u, ldu, ldg, kv, vrows, c0, jn, alpha, mins, steps, o, ldo, prefetch); break;
+    case 3: Int4OutputVnni<RT, 3>(u, ldu, ldg, kv, vrows, c0, jn, alpha, mins, steps, o, ldo, prefetch); break;
+    default: Int4OutputVnni<RT, kOutVecs>(u, ldu, ldg, kv, vrows, c0, jn, alpha, mins, steps, o, ldo, prefetch); break;
   }
 }
 #endif
@@ -254,8 +267,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     for (int64_t r = 0; r < R; ++r)
       for (size_t c = 0; c < D; ++c) qs[r * static_cast<int64_t>(ldq) + c] *= p.scale;
   }
-  // int4 values with bfloat16 dot products where the CPU has them (Int4Output).
-  const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots();
+  // int4 values with bfloat16 dot products where the CPU has them (Int4Output), unless they are
+  // taken on byte weights by VNNI (Int4OutputVnni, below).
+  const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots() && !decode_vnni_byte_values();
   uint32_t* pw = pairs ? ws.get<uint32_t>(Workspace::kDecodeWeightPairs, static_cast<size_t>(R) * block / 2) : nullptr;
 #endif
   // Key tiles are read N keys at a time from a multiple of N (N divides the tile); the masks
@@ -275,10 +289,16 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   float* vstage = kFold ? ws.get<float>(Workspace::kDecodeValueScales, 2 * vgroups * block) : nullptr;
   float* vweights = kFold ? ws.get<float>(Workspace::kDecodeValueWeights, vgroups * R * block) : nullptr;
   float* vmins = kFold ? ws.get<float>(Workspace::kDecodeValueMins, vgroups * R) : nullptr;
-  // int4 values on AVX2 with 8-bit integer products where allowed (Int4Output256): the folded
-  // weights rounded to bytes, per block (ByteValueWeights), passes of kTileRows rows.
+  // int4 values with 8-bit integer products where allowed: the folded weights rounded to bytes,
+  // per block (ByteValueWeights), passes of kTileRows rows: AVX2's vpmaddubsw (Int4Output256) or
+  // AVX-512 VNNI (Int4OutputVnni).
 #if MHA_DECODE_BYTE_VALUES
-  const bool byte_values = std::is_same_v<Kv, QuantKv<4>> && decode_byte_values();
+  const bool byte_values =
+      std::is_same_v<Kv, QuantKv<4>> && (HWY_TARGET == HWY_AVX2 ? decode_byte_values() : decode_vnni_byte_values());
+  if (byte_values && !vstage) {
+    vstage = ws.get<float>(Workspace::kDecodeValueScales, 2 * vgroups * block);
+    vmins = ws.get<float>(Workspace::kDecodeValueMins, vgroups * R);
+  }
   uint8_t* vbytes = byte_values ? ws.get<uint8_t>(Workspace::kDecodeValueBytes, vgroups * R * block) : nullptr;
   float* vsteps = byte_values ? ws.get<float>(Workspace::kDecodeValueSteps, vgroups * (R + 1)) : nullptr;
 #else
@@ -491,6 +511,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
             constexpr size_t RT = decltype(rt)::value;
             const uint8_t* u = vbytes + i * block;
             float* oc = o + r0 * dvp + c0;
+#if HWY_TARGET == HWY_AVX2
             if (nc == kOutVecs * N) {
               Int4Output256<RT, true>(u, block, kv, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
                                       vsteps + i, oc, dvp, prefetch);
@@ -498,6 +519,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
               Int4Output256<RT, false>(u, block, kv, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
                                        vsteps + i, oc, dvp, prefetch);
             }
+#else  // AVX3: two groups a pass
+            Int4OutputVnniCols<RT>(u, block, static_cast<size_t>(R), kv, vrows, c0, nc, static_cast<size_t>(jn),
+                                   alpha + r0, vmins + i, vsteps + i, oc, dvp, prefetch);
+#endif
           });
         }
       }
@@ -608,12 +633,13 @@ std::string FlashDecodeName() {
 #if MHA_DECODE_INT_DOTS
   if (decode_int8_dots()) keys = "AVX2 integer products";
 #endif
-#if MHA_DECODE_BYTE_VALUES
+#if HWY_TARGET == HWY_AVX2
   if (decode_byte_values()) values = "AVX2 integer products on byte weights";
 #endif
 #if MHA_DECODE_DOTS
   if (decode_avx512_vnni()) keys = "AVX-512 VNNI";
   if (decode_bf16_dots()) values = bf16_keys = "AVX-512 BF16 dot products";
+  if (decode_vnni_byte_values()) values = "AVX-512 VNNI on byte weights";
 #endif
   return std::string("flash_decode_f32_") + hwy::TargetName(HWY_TARGET) + " (int8/int4 keys: " + keys +
          "; int4 values: " + values + "; bfloat16 keys: " + bf16_keys + ")";

@@ -53,6 +53,11 @@ bool decode_byte_values() {
          byte_values_allowed.load(std::memory_order_relaxed);
 }
 
+bool decode_vnni_byte_values() {
+  static const bool supported = MHA_CPU_SUPPORTS("avx512vnni") && MHA_CPU_SUPPORTS("avx512vbmi");
+  return supported && decode_avx512_vnni() && byte_values_allowed.load(std::memory_order_relaxed);
+}
+
 void allow_decode_dot_products(bool allow) { dot_products_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_decode_avx512_vnni(bool allow) { vnni_allowed.store(allow, std::memory_order_relaxed); }
