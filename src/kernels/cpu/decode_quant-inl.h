@@ -1,16 +1,17 @@
 // The parts of the decode kernel (flash_decode.cc) with dot-product instructions or their own
 // layout: int8/int4 key tiles scored with float FMAs on every target (TileScores) or with integer
 // dot products on a query rounded to 16 or 8 bits by QueryDots (TileDots: AVX-512 VNNI;
-// TileDots256: AVX2's vpmaddubsw / vpmaddwd, on the AVX2 target and on AVX3 CPUs without VNNI;
-// the same integer sums), an int4 cache's values with bfloat16 dot products (Int4Output, on
-// weights rounded by PairWeights) or 8-bit integer products on weights rounded to bytes by
-// ByteValueWeights (Int4Output256: AVX2; Int4OutputVnni: AVX-512 VNNI), and bfloat16 keys with bfloat16 dot products (Bf16Scores, on
-// the query's words from QueryBf16). The dot products are intrinsics: AVX-512 VNNI / BF16 ones in
-// functions compiled for those features on top of the AVX3 target's flags (Highway 1.0 has no
-// 8-bit or bfloat16 dot product op; docs/ARCHITECTURE.md), AVX2 ones in the AVX2 and AVX3
-// targets' own code. The kernel takes them where the CPU has them (decode_int8_dots(),
-// decode_avx512_vnni(), decode_bf16_dots()): MHA_DECODE_INT_DOTS says whether this target has
-// the integer ones at all, MHA_DECODE_DOTS whether it has the AVX-512 ones.
+// TileDots256: AVX2's vpmaddubsw / vpmaddwd, on the AVX2 target and on AVX3 CPUs without VNNI; the
+// same integer sums), an int4 cache's values with bfloat16 dot products (Int4Output, on weights
+// rounded by PairWeights) or 8-bit integer products on weights rounded to bytes by ByteValueWeights
+// (Int4Output256: AVX2; Int4OutputVnni: AVX-512 VNNI), and bfloat16 keys with bfloat16 dot products
+// (Bf16Scores, on the query's words from QueryBf16). The dot products are intrinsics: AVX-512 VNNI
+// / BF16 ones in functions compiled for those features on top of the AVX3 target's flags (Highway
+// 1.0 has no 8-bit or bfloat16 dot product op; docs/ARCHITECTURE.md), AVX2 ones in the AVX2 and
+// AVX3 targets' own code. The kernel takes them where the CPU has them (decode_int8_dots(),
+// decode_avx512_vnni(), decode_bf16_dots(), decode_byte_values(), decode_vnni_byte_values()):
+// MHA_DECODE_INT_DOTS says whether this target has the integer ones at all, MHA_DECODE_DOTS whether
+// it has the AVX-512 ones, MHA_DECODE_BYTE_VALUES whether it has ByteValueWeights.
 #if defined(MHA_KERNELS_CPU_DECODE_QUANT_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_QUANT_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_QUANT_INL_H_
@@ -230,16 +231,16 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t la
 
 #undef MHA_DECODE_BYTE_VALUES
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3
-// The weights of Int4Output256 and Int4OutputVnni for rows r < R (P at pr + r·ldp, the block's keys j < jn) and
-// value groups g < groups: w_j = P_j·scale_g(j) rounded to a byte, u_j = round(w_j / step) with
-// step the power of two at or above Pmax_r·Smax_g / 255 (Pmax_r: the row's largest P in the
-// block, from the softmax; Smax_g: the keys' largest scale in the group), so that no weight
-// passes 255 steps (Pmax_r·Smax_g would take 128 to 255): u[(g·R + r)·ldp + j] (zeros from jn up
-// to a whole vector), steps[g·R + r]. A power of two keeps w / step exact, so weights of 1 and
-// 0, or all equal, are exact bytes. mins[g·R + r] = Σ_j P_j·(minimum_g(j) + 8·scale_g(j)), for
-// the pass multiplies each u_j by code − 8. The keys' scales are first transposed into st (as
-// FoldValueWeights does). False where a Pmax is not finite, or a scale is negative or a scale
-// or minimum not finite: the float pass then takes the block. steps needs groups · (R + 1).
+// The weights of Int4Output256 and Int4OutputVnni for rows r < R (P at pr + r·ldp, the block's keys
+// j < jn) and value groups g < groups: w_j = P_j·scale_g(j) rounded to a byte, u_j = round(w_j /
+// step) with step the power of two at or above Pmax_r·Smax_g / 255 (Pmax_r: the row's largest P in
+// the block, from the softmax; Smax_g: the keys' largest scale in the group), so that no weight
+// passes 255 steps (Pmax_r·Smax_g would take 128 to 255): u[(g·R + r)·ldp + j] (zeros from jn up to
+// a whole vector), steps[g·R + r]. A power of two keeps w / step exact, so weights of 1 and 0, or
+// all equal, are exact bytes. mins[g·R + r] = Σ_j P_j·(minimum_g(j) + 8·scale_g(j)), for the pass
+// multiplies each u_j by code − 8. The keys' scales are first transposed into st (as
+// FoldValueWeights does). False where a Pmax is not finite, or a scale is negative or a scale or
+// minimum not finite: the float pass then takes the block. steps needs groups · (R + 1).
 template <class Kv>
 HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, const float* pmax,
                                  const typename Kv::Row* vrows, size_t jn, size_t groups, float* HWY_RESTRICT st,

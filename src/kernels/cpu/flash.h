@@ -35,9 +35,9 @@ std::string flash_decode_name();
 // Whether the decode kernel reads int8/int4 key tiles with integer dot products (its AVX3 and AVX2
 // targets: AVX-512 VNNI, else AVX2's vpmaddubsw / vpmaddwd; decode_avx512_vnni() says which), and
 // an int4 cache's values with bfloat16 dot products (AVX3 target, AVX-512 BF16, where it has
-// no VNNI and VBMI for decode_vnni_byte_values()): where the CPU has them, unless turned off (tests reach the targets' float paths so, and with
-// allow_decode_avx512_vnni(false) the AVX3 target's AVX2 integer path, which it takes on CPUs
-// without VNNI).
+// no VNNI and VBMI for decode_vnni_byte_values()): where the CPU has them, unless turned off
+// (tests reach the targets' float paths so, and with allow_decode_avx512_vnni(false) the AVX3
+// target's AVX2 integer path, which it takes on CPUs without VNNI).
 bool decode_int8_dots();
 bool decode_avx512_vnni();
 bool decode_bf16_dots();
