@@ -149,14 +149,24 @@ double read_sweep(const float* a, size_t n, int threads) {
 
 constexpr size_t kSweepFloats = (size_t{256} << 20) / sizeof(float);
 
+// n floats of value x, on transparent huge pages (Tensor allocates 2 MiB or more that way).
+Tensor filled(size_t n, float x) {
+  Tensor t(DType::kF32, {static_cast<int64_t>(n)});
+  std::fill_n(t.data<float>(), n, x);
+  return t;
+}
+
 }  // namespace
 
 Bandwidth measure_bandwidth(int threads) {
   const size_t n = kSweepFloats;
-  std::vector<float> a(n, 1.0f), b(n, 2.0f), c(n, 3.0f);
+  Tensor ta = filled(n, 1.0f), tb = filled(n, 2.0f), tc = filled(n, 3.0f);
+  float* a = ta.data<float>();
+  const float* b = tb.data<float>();
+  const float* c = tc.data<float>();
   Bandwidth best{0, 0};
   for (int rep = 0; rep < 5; ++rep) {
-    best.read = std::max(best.read, n * sizeof(float) / read_sweep(a.data(), n, threads) / 1e9);
+    best.read = std::max(best.read, n * sizeof(float) / read_sweep(a, n, threads) / 1e9);
     const auto start = std::chrono::steady_clock::now();
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (size_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
@@ -166,10 +176,10 @@ Bandwidth measure_bandwidth(int threads) {
   return best;
 }
 
-ReadProbe::ReadProbe(int threads) : threads_(threads), a_(kSweepFloats, 1.0f) {}
+ReadProbe::ReadProbe(int threads) : threads_(threads), a_(filled(kSweepFloats, 1.0f)) {}
 
 double ReadProbe::gbps() const {
-  return static_cast<double>(a_.size() * sizeof(float)) / read_sweep(a_.data(), a_.size(), threads_) / 1e9;
+  return static_cast<double>(kSweepFloats * sizeof(float)) / read_sweep(a_.data<float>(), kSweepFloats, threads_) / 1e9;
 }
 
 }  // namespace mha::bench

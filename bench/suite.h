@@ -79,7 +79,9 @@ struct Bandwidth {
 };
 Bandwidth measure_bandwidth(int threads);
 // The read sweep of measure_bandwidth, one pass at a time, to take alongside a kernel's calls
-// (the same moments of a noisy machine, the same statistic): GB/s of one pass.
+// (the same moments of a noisy machine, the same statistic): GB/s of one pass. Its array is a
+// Tensor, on transparent huge pages as a KvCache's storage is (a std::vector's 4 KiB pages read
+// at 25 GB/s where the same sweep on huge pages read 37 on the Xeon VM: docs/benchmarks.md).
 class ReadProbe {
  public:
   explicit ReadProbe(int threads);
@@ -87,7 +89,7 @@ class ReadProbe {
 
  private:
   int threads_;
-  std::vector<float> a_;
+  Tensor a_;
 };
 // time_calls's median seconds, and with a probe the median GB/s of read sweeps taken one before
 // each call: the machine's read bandwidth at the same moments.

@@ -148,13 +148,13 @@ constexpr bool ReadsBf16Pairs() {
 
 // O[r][c0 + c·N ..] = alpha[r]·O + Σ_{j < jn} P[r][j] · V_j[c0 + c·N ..] for rows [r0, r0 + RG)
 // and NV vectors of columns, V_j = vrows[j]. kTail: the last vector is partial (ncols % N != 0).
-// Value rows [prefetch.lo, prefetch.hi) are prefetched one per j (an empty range: none).
+// Each key asks `ahead` for its multiply-adds' share of the next block's lines.
 // Folded (FoldsValueScales, columns of one group): pr holds that group's weights P·scale and
 // mins[r] the rows' Σ P·minimum (FoldValueWeights), and the values are read as their codes.
 // ReadsBf16Pairs: the accumulators hold pairs of vectors as even and odd columns.
 template <size_t RG, size_t NV, bool kTail, class Kv>
 HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows, size_t c0,
-                             size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch,
+                             size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, LineStream& ahead,
                              const float* mins) {
   using V = hn::Vec<DF>;
   constexpr bool kFolded = FoldsValueScales<Kv>();
@@ -189,7 +189,7 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, co
   const size_t skip = !HWY_HAVE_SCALABLE && kOutVecs * hn::MaxLanes(DF()) % kAlign == 0 ? 0 : c0 % kAlign;
   for (size_t j = 0; j < jn; ++j) {
     const auto vj = Kv::Columns(vrows[j], c0 - skip);
-    if (prefetch.lo + static_cast<int64_t>(j) < prefetch.hi) kv.PrefetchValue(prefetch.lo + static_cast<int64_t>(j));
+    ahead.Issue(kFloatWork * RG * ncols);
     V x[NV];
     for (size_t c = 0; c < NV; ++c) {
       if constexpr (kPairs) {
@@ -219,12 +219,12 @@ HWY_INLINE void DecodeOutput(DF d, const float* pr, size_t ldp, const Kv& kv, co
 template <size_t RG, class Kv>
 HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv, const typename Kv::Row* vrows,
                                  size_t c0, size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo,
-                                 KeyRange prefetch, const float* mins) {
+                                 LineStream& ahead, const float* mins) {
   const size_t N = hn::Lanes(d), nv = (ncols + N - 1) / N;
   const bool tail = ncols % N != 0;
 #define MHA_DECODE_OUTPUT(NV)                                                                            \
-  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch, mins) \
-       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, prefetch, mins)
+  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, ahead, mins) \
+       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, ahead, mins)
   static_assert(kOutVecs == 4, "a case for each vector count up to kOutVecs");
   switch (nv) {
     case 1: MHA_DECODE_OUTPUT(1); break;

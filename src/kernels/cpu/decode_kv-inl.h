@@ -4,8 +4,8 @@
 // table. key(j) / value(j) is the Row of key or value j (QuantKv's keys are tiles instead:
 // KeyTile(j), kv_cache.h has the layout); Columns(row, c0) is that row from
 // column c0 on (c0 a multiple of kColumnAlign); Load(d, row, c) gives values [c, c + N) as
-// floats; PlainKv's Stage writes a whole row's floats; PrefetchKey(j) / PrefetchValue(j) ask for
-// a row's cache lines (into L2), QuantKv's PrefetchKeyTile(j) for a key tile's.
+// floats; PlainKv's Stage writes a whole row's floats; AheadKeys / AheadValues add the lines of
+// a range of keys (of their key tiles, for QuantKv) and values to a LineStream (prefetch.h).
 #if defined(MHA_KERNELS_CPU_DECODE_KV_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_KV_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_KV_INL_H_
@@ -13,6 +13,7 @@
 #define MHA_KERNELS_CPU_DECODE_KV_INL_H_
 #endif
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -29,9 +30,15 @@ namespace decode {
 
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
-// Where PrefetchKey / PrefetchValue ask for a row's lines.
-constexpr PrefetchTo kTo = PrefetchTo::kL2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// The work that paces the kernel's prefetches (LineStream): multiply-adds weighted by what they
+// cost: 4 for a float FMA's (and for bfloat16 dot products, which ran no faster on the Xeon), 2
+// for AVX2's 16-bit integer products, 1 for VNNI's key tiles (four per 32-bit lane at the FMA's
+// rate). The int4 value pass on VNNI (Int4OutputVnni) counts as float: its byte gathers
+// (vpermt2b, a third of the FMA's rate) and nibble splits, with the block's byte weights before
+// it, make its multiply-adds as slow; counted as VNNI's, the int4 step at 256 MiB took 2.94 ms
+// against 2.75 (docs/benchmarks.md).
+constexpr uint64_t kFloatWork = 4, kAvx2IntWork = 2, kVnniWork = 1, kInt4VnniValueWork = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Element offset of key/value row j of one (batch, kv head) plane: j · row, or through the block
@@ -44,6 +51,17 @@ struct RowOffset {
       : table(p.block_table ? p.block_table + b * p.block_table_stride : nullptr), shift(p.page_shift),
         mask((int64_t{1} << p.page_shift) - 1), page(page_stride), row(row_stride) {}
   HWY_INLINE int64_t operator()(int64_t j) const { return table ? table[j >> shift] * page + (j & mask) * row : j * row; }
+  // f(offset, bytes) for the runs of adjacent rows among [lo, hi) (rows of `bytes` bytes of
+  // `elem`-byte elements): one per page, or one per row where rows are strided apart.
+  template <class F>
+  void Runs(int64_t lo, int64_t hi, size_t elem, size_t bytes, const F& f) const {
+    const bool adjacent = static_cast<size_t>(row) * elem == bytes;
+    while (lo < hi) {
+      const int64_t end = !adjacent ? lo + 1 : table ? std::min(hi, ((lo >> shift) + 1) << shift) : hi;
+      f((*this)(lo), static_cast<size_t>(end - lo) * bytes);
+      lo = end;
+    }
+  }
 };
 
 // The start of (b, hk)'s plane: paged pools start every batch at page 0 (the table says where).
@@ -90,8 +108,13 @@ struct PlainKv {
     for (; c + N <= depth; c += N, ++i) hn::Store(Load(d, r, c), d, dst + i * stride);
     if (c < depth) hn::Store(LoadPartial(d, r, c, depth - c), d, dst + i * stride);
   }
-  HWY_INLINE void PrefetchKey(int64_t j) const { PrefetchLines<kTo>(key(j), kdim * sizeof(T)); }
-  HWY_INLINE void PrefetchValue(int64_t j) const { PrefetchLines<kTo>(value(j), vdim * sizeof(T)); }
+  // The lines of keys / values [lo, hi), into the streams of `ahead`.
+  void AheadKeys(LineStream& ahead, int64_t lo, int64_t hi) const {
+    kr.Runs(lo, hi, sizeof(T), kdim * sizeof(T), [&](int64_t at, size_t bytes) { ahead.Add(0, k + at, bytes); });
+  }
+  void AheadValues(LineStream& ahead, int64_t lo, int64_t hi) const {
+    vr.Runs(lo, hi, sizeof(T), vdim * sizeof(T), [&](int64_t at, size_t bytes) { ahead.Add(2, v + at, bytes); });
+  }
 };
 
 template <int kBits>
@@ -155,22 +178,19 @@ struct QuantKv {
     return hn::MulAdd(Codes(d, r, g, c % kGroup), hn::Set(d, r.scales[2 * g]), hn::Set(d, r.scales[2 * g + 1]));
   }
   HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t) const { return Load(d, r, c); }
-  // The tile of keys from j (a multiple of kCacheKeyTile): its codes and scales.
-  HWY_INLINE void PrefetchKeyTile(int64_t j) const {
-    const Tile t = KeyTile(j);
-    PrefetchLines<kTo>(t.codes, kCacheKeyTile * kbytes);
-    PrefetchLines<kTo>(t.scales, kCacheKeyTile * (2 * kgroups + kCacheKeyOutliers) * sizeof(float));
+  // The lines of the key tiles that hold keys [lo, hi) / of values [lo, hi), into the streams of
+  // `ahead`.
+  void AheadKeys(LineStream& ahead, int64_t lo, int64_t hi) const {
+    lo = lo / kCacheKeyTile * kCacheKeyTile;
+    hi = (hi + kCacheKeyTile - 1) / kCacheKeyTile * kCacheKeyTile;
+    const size_t scales = (2 * kgroups + kCacheKeyOutliers) * sizeof(float);
+    kr.Runs(lo, hi, 1, kbytes, [&](int64_t at, size_t bytes) { ahead.Add(0, k + at, bytes); });
+    ksr.Runs(lo, hi, sizeof(float), scales, [&](int64_t at, size_t bytes) { ahead.Add(1, ksc + at, bytes); });
   }
-  HWY_INLINE void PrefetchValue(int64_t j) const {
-    const Row r = value(j);
-    PrefetchLines<kTo>(r.codes, vbytes);
-    PrefetchLines<kTo>(r.scales, vbytes / kGroupBytes * 2 * sizeof(float));
-  }
-  // Values j and j + 1 (j even: a page holds whole tiles, so both rows are in one page, adjacent).
-  HWY_INLINE void PrefetchValuePair(int64_t j) const {
-    const Row r = value(j);
-    PrefetchLines<kTo>(r.codes, 2 * vbytes);
-    PrefetchLines<kTo>(r.scales, 2 * vbytes / kGroupBytes * 2 * sizeof(float));
+  void AheadValues(LineStream& ahead, int64_t lo, int64_t hi) const {
+    const size_t scales = vbytes / kGroupBytes * 2 * sizeof(float);
+    vr.Runs(lo, hi, 1, vbytes, [&](int64_t at, size_t bytes) { ahead.Add(2, v + at, bytes); });
+    vsr.Runs(lo, hi, sizeof(float), scales, [&](int64_t at, size_t bytes) { ahead.Add(3, vsc + at, bytes); });
   }
 };
 

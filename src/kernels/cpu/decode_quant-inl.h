@@ -47,7 +47,7 @@ namespace decode {
 template <int kBits, size_t RT>
 HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size_t lane0, size_t groups,
                            const float* q, size_t ldq, const float* qsum, const float* qo, size_t nout, float* s,
-                           size_t lds) {
+                           size_t lds, LineStream& ahead) {
   using V = hn::Vec<DF>;
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
@@ -57,6 +57,7 @@ HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size
   V acc[RT];
   for (size_t r = 0; r < RT; ++r) acc[r] = hn::Zero(d);
   for (size_t g = 0; g < groups; ++g) {
+    ahead.Issue(kFloatWork * RT * hn::Lanes(d) * kCacheQuantGroup);  // the group's multiply-adds
     V sum[RT];
     for (size_t r = 0; r < RT; ++r) sum[r] = hn::Zero(d);
     for (size_t w = 0; w < kWords; ++w) {
@@ -160,7 +161,7 @@ inline void RepeatWords(const int32_t* qw, size_t ldw, int64_t R, int32_t* qv) {
 template <int kBits, size_t RT>
 HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t lane0, size_t groups,
                             const int32_t* qv, size_t ldv, const float* qscale, const float* qsum, const float* qo,
-                            size_t nout, float* s, size_t lds) {
+                            size_t nout, float* s, size_t lds, LineStream& ahead) {
   constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile), kWordBytes = static_cast<size_t>(kCacheKeyTileBytes);
   constexpr size_t kWords = static_cast<size_t>(kCacheQuantGroup) * kBits / 32;  // tile words per group
   // Query words (vectors of qv) per group: 8 of bytes (int4), 16 of halves (int8).
@@ -174,6 +175,7 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t la
   __m256 acc[RT];
   for (size_t r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
   for (size_t g = 0; g < groups; ++g) {
+    ahead.Issue(kAvx2IntWork * RT * 8 * kCacheQuantGroup);  // the group's multiply-adds: 8 keys
     __m256i sum[RT];
     if constexpr (kBits == 4) {
       __m256i pairs[RT];  // 16-bit pair sums of the group's products
@@ -330,9 +332,9 @@ HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
 // the products: 32 products per instruction, where an FMA has 8. The 16-bit sums take 8 pairs:
 // |Σ| ≤ 16·255·8 = 32640, then are widened and added into O in float, times the step.
 template <size_t RT, bool kWhole>
-HWY_INLINE void Int4Output256(const uint8_t* u, size_t ldu, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows,
+HWY_INLINE void Int4Output256(const uint8_t* u, size_t ldu, const QuantKv<4>::Row* vrows,
                               size_t c0, size_t ncols, size_t jn, const float* alpha, const float* mins,
-                              const float* steps, float* o, size_t ldo, KeyRange prefetch) {
+                              const float* steps, float* o, size_t ldo, LineStream& ahead) {
   const size_t nv = kWhole ? 4 : (ncols + 7) / 8;
   for (size_t r = 0; r < RT; ++r) {
     const __m256 a = _mm256_set1_ps(alpha[r]), m = _mm256_set1_ps(mins[r]);
@@ -343,6 +345,7 @@ HWY_INLINE void Int4Output256(const uint8_t* u, size_t ldu, const QuantKv<4>& kv
   // Key pairs [j, j1) into the rows' 16-bit sums.
   auto add_pairs = [&](size_t j, size_t j1, __m256i* lo, __m256i* hi) HWY_ATTR {
     for (; j < j1; j += 2) {
+      ahead.Issue(kAvx2IntWork * 2 * RT * ncols);
       // An odd last key pairs with itself, weighted by u[jn] = 0.
       const __m128i xa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(QuantKv<4>::Columns(vrows[j], c0).codes));
       const __m128i xb = _mm_loadu_si128(
@@ -359,9 +362,6 @@ HWY_INLINE void Int4Output256(const uint8_t* u, size_t ldu, const QuantKv<4>& kv
       }
     }
   };
-  // The pass's share of the next block's value rows, a pair per address, before its keys.
-  for (int64_t j = 0; j < static_cast<int64_t>(jn) && prefetch.lo + j < prefetch.hi; j += 2)
-    kv.PrefetchValuePair(prefetch.lo + j);
   for (size_t j0 = 0; j0 < jn; j0 += 16) {
     __m256i lo[RT], hi[RT];
     for (size_t r = 0; r < RT; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
@@ -393,7 +393,7 @@ HWY_INLINE void Int4Output256(const uint8_t* u, size_t ldu, const QuantKv<4>& kv
 template <int kBits, size_t RT>
 __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
     const uint8_t* codes, const float* scales, size_t groups, const int32_t* qh, const int32_t* ql, size_t ldw,
-    const float* qscale, const float* qsum, const float* qo, size_t nout, float* s, size_t lds) {
+    const float* qscale, const float* qsum, const float* qo, size_t nout, float* s, size_t lds, LineStream& ahead) {
   constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile), kWordBytes = static_cast<size_t>(kCacheKeyTileBytes);
   constexpr size_t kWords = static_cast<size_t>(kCacheQuantGroup) * kBits / 32;  // tile words per group
   constexpr size_t kGroupWords = static_cast<size_t>(kCacheQuantGroup) / 4;     // query words per group
@@ -402,6 +402,7 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
   __m512 acc[RT];
   for (size_t r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
   for (size_t g = 0; g < groups; ++g) {
+    ahead.Issue(kVnniWork * RT * 16 * kCacheQuantGroup);  // the group's multiply-adds: 16 keys
     __m512i sh[RT], sl[RT];
     for (size_t r = 0; r < RT; ++r) sh[r] = sl[r] = _mm512_setzero_si512();
     for (size_t w = 0; w < kWords; ++w) {
@@ -447,8 +448,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
 // 2^-8 of it, a product by at most 2^-7 (docs/numerics.md); the sums stay float32.
 template <size_t RG, size_t NV>
 __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
-    const uint32_t* pw, size_t ldw, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows, size_t c0, size_t jn,
-    const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
+    const uint32_t* pw, size_t ldw, const QuantKv<4>::Row* vrows, size_t c0, size_t jn,
+    const float* alpha, float* o, size_t ldo, LineStream& ahead) {
   static_assert(kCacheQuantGroup == 32, "a group is two vectors of 16 columns");
   constexpr size_t NG = (NV + 1) / 2;  // groups of the pass
   __m512 acc[RG][NV];
@@ -463,10 +464,7 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
     // An odd last key pairs with itself, weighted by P[jn] = 0 (masked: keys past jn are -inf).
     const QuantKv<4>::Row a = QuantKv<4>::Columns(vrows[j], c0);
     const QuantKv<4>::Row b = QuantKv<4>::Columns(vrows[std::min(j + 1, jn - 1)], c0);
-    // The next block's value rows, a pair per address: a block-table lookup and a prefetch loop
-    // per key cost this pass its whole gain over the float pass (docs/benchmarks.md).
-    const int64_t ahead = prefetch.lo + static_cast<int64_t>(j);
-    if (ahead < prefetch.hi) kv.PrefetchValuePair(ahead);
+    ahead.Issue(kFloatWork * 2 * RG * NV * 16);
     for (size_t g = 0; g < NG; ++g) {
       const __m512 ta = _mm512_fmadd_ps(iota, _mm512_set1_ps(a.scales[2 * g]), _mm512_set1_ps(a.scales[2 * g + 1]));
       const __m512 tb = _mm512_fmadd_ps(iota, _mm512_set1_ps(b.scales[2 * g]), _mm512_set1_ps(b.scales[2 * g + 1]));
@@ -503,8 +501,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
 // per key), then are converted and added into O in float, times the step, once.
 template <size_t RT, size_t NV>
 __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni,avx512vbmi"))) void Int4OutputVnni(
-    const uint8_t* u, size_t ldu, size_t ldg, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows, size_t c0,
-    size_t jn, const float* alpha, const float* mins, const float* steps, float* o, size_t ldo, KeyRange prefetch) {
+    const uint8_t* u, size_t ldu, size_t ldg, const QuantKv<4>::Row* vrows, size_t c0,
+    size_t jn, const float* alpha, const float* mins, const float* steps, float* o, size_t ldo, LineStream& ahead) {
   static_assert(kCacheQuantGroup == 32 && NV <= 4, "a group is two vectors of 16 columns; two groups a pass");
   constexpr size_t NG = (NV + 1) / 2;  // groups of the pass
   for (size_t r = 0; r < RT; ++r) {
@@ -532,15 +530,13 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni,avx512vbmi"))) void Int4O
   __m512i acc[RT][NV];
   for (size_t r = 0; r < RT; ++r)
     for (size_t c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_si512();
-  // The pass's share of the next block's value rows, a pair per address, before its keys.
-  for (int64_t j = 0; j < static_cast<int64_t>(jn) && prefetch.lo + j < prefetch.hi; j += 2)
-    kv.PrefetchValuePair(prefetch.lo + j);
   auto load = [&](size_t j) HWY_ATTR {  // key j's bytes of the pass (keys past jn: the last, weighted 0)
     const uint8_t* p = QuantKv<4>::Columns(vrows[std::min(j, jn - 1)], c0).codes;
     if constexpr (NG == 2) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   };
   for (size_t j = 0; j < jn; j += 4) {  // u holds zeros from jn up to a multiple of 8
+    ahead.Issue(kInt4VnniValueWork * 4 * RT * NV * 16);
     const __m512i k01 = _mm512_inserti64x4(_mm512_castsi256_si512(load(j)), load(j + 1), 1);
     const __m512i k23 = _mm512_inserti64x4(_mm512_castsi256_si512(load(j + 2)), load(j + 3), 1);
     __m512i x[2 * NG];
@@ -625,7 +621,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline uint32_t Bf16S
                                                                                      size_t ldw, int64_t R,
                                                                                      const bfloat16* const* krows,
                                                                                      size_t depth, float scale,
-                                                                                     float* s, size_t lds) {
+                                                                                     float* s, size_t lds,
+                                                                                     LineStream& ahead) {
   static_assert(kMaxDecodeRows <= 32, "a bit per row");
   const DF d;
   const size_t full = depth / 32, rest = depth % 32;
@@ -635,6 +632,7 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline uint32_t Bf16S
     const uint32_t* q = qw + r * static_cast<int64_t>(ldw);
     __m512 acc[16];
     for (size_t x = 0; x < 16; ++x) acc[x] = _mm512_setzero_ps();
+    ahead.Issue(kFloatWork * 16 * depth);  // the row's multiply-adds
     for (size_t v = 0; v < full; ++v) Bf16Step<false>(q, krows, v, tail, acc);
     if (rest) Bf16Step<true>(q, krows, full, tail, acc);
     hn::Vec<DF> sums[16];

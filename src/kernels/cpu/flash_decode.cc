@@ -75,7 +75,6 @@ using decode::TileDots;
 // a scalar exp2) and each output pass's setup: 8 vectors took the cache-resident bfloat16 and
 // int8 steps ~7% below 4 vectors' (docs/benchmarks.md); 16 were slower again.
 constexpr size_t kBlockVecs = 8;
-constexpr int64_t kPrefetchBlocks = 1;  // K and V are prefetched one block ahead
 constexpr int64_t kMaxChunkKeys = int64_t{1} << 16;  // keys per chunk at most (a multiple of any block)
 constexpr int64_t kTileRows = 4;  // query rows per pass over a key tile (TileScores)
 #if HWY_TARGET <= HWY_AVX3
@@ -105,26 +104,26 @@ Split ChooseSplit(const AttentionParams& p, size_t block) {
 
 #if MHA_DECODE_DOTS
 template <size_t RG>
-void Int4OutputCols(const uint32_t* pw, size_t ldw, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows, size_t c0,
-                    size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, KeyRange prefetch) {
+void Int4OutputCols(const uint32_t* pw, size_t ldw, const QuantKv<4>::Row* vrows, size_t c0,
+                    size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, LineStream& ahead) {
   static_assert(kOutVecs == 4, "a case for each vector count up to kOutVecs");
   switch ((ncols + 15) / 16) {
-    case 1: Int4Output<RG, 1>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
-    case 2: Int4Output<RG, 2>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
-    case 3: Int4Output<RG, 3>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
-    default: Int4Output<RG, kOutVecs>(pw, ldw, kv, vrows, c0, jn, alpha, o, ldo, prefetch); break;
+    case 1: Int4Output<RG, 1>(pw, ldw, vrows, c0, jn, alpha, o, ldo, ahead); break;
+    case 2: Int4Output<RG, 2>(pw, ldw, vrows, c0, jn, alpha, o, ldo, ahead); break;
+    case 3: Int4Output<RG, 3>(pw, ldw, vrows, c0, jn, alpha, o, ldo, ahead); break;
+    default: Int4Output<RG, kOutVecs>(pw, ldw, vrows, c0, jn, alpha, o, ldo, ahead); break;
   }
 }
 
 template <size_t RT>
-void Int4OutputVnniCols(const uint8_t* u, size_t ldu, size_t ldg, const QuantKv<4>& kv, const QuantKv<4>::Row* vrows,
+void Int4OutputVnniCols(const uint8_t* u, size_t ldu, size_t ldg, const QuantKv<4>::Row* vrows,
                         size_t c0, size_t ncols, size_t jn, const float* alpha, const float* mins, const float* steps,
-                        float* o, size_t ldo, KeyRange prefetch) {
+                        float* o, size_t ldo, LineStream& ahead) {
   switch ((ncols + 15) / 16) {
-    case 1: Int4OutputVnni<RT, 1>(u, ldu, ldg, kv, vrows, c0, jn, alpha, mins, steps, o, ldo, prefetch); break;
-    case 2: Int4OutputVnni<RT, 2>(u, ldu, ldg, kv, vrows, c0, jn, alpha, mins, steps, o, ldo, prefetch); break;
-    case 3: Int4OutputVnni<RT, 3>(u, ldu, ldg, kv, vrows, c0, jn, alpha, mins, steps, o, ldo, prefetch); break;
-    default: Int4OutputVnni<RT, kOutVecs>(u, ldu, ldg, kv, vrows, c0, jn, alpha, mins, steps, o, ldo, prefetch); break;
+    case 1: Int4OutputVnni<RT, 1>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
+    case 2: Int4OutputVnni<RT, 2>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
+    case 3: Int4OutputVnni<RT, 3>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
+    default: Int4OutputVnni<RT, kOutVecs>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
   }
 }
 #endif
@@ -308,24 +307,20 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   [[maybe_unused]] float pmax[kMaxDecodeRows];
   const hn::RebindToSigned<DF> di;
 
-  const int64_t ahead_keys = kPrefetchBlocks * static_cast<int64_t>(block);
-  // The value passes over a block (column passes × row groups) share the prefetches of the next
-  // block's value rows, an even count each (Int4Output prefetches rows by pairs). All of them in
-  // the first pass left the stream idle through the others: spread, the steps at 256 MiB took
-  // 2–18% less time, the 16-bit types' the most (docs/benchmarks.md).
-  const int64_t pass_rows = byte_values ? kTileRows : static_cast<int64_t>(kRowGroup);
-  const int64_t value_passes =
-      static_cast<int64_t>((Dv + kOutVecs * N - 1) / (kOutVecs * N)) * ((R + pass_rows - 1) / pass_rows);
-  const int64_t value_share = (static_cast<int64_t>(block) + 2 * value_passes - 1) / (2 * value_passes) * 2;
-  // The first block's rows, which no earlier block prefetched.
-  for (int64_t j = ua; j < std::min(ub, ua + ahead_keys); ++j) {
-    if constexpr (Kv::kKeyTiles) {
-      if (j == ua || j % kCacheKeyTile == 0) kv.PrefetchKeyTile(j / kCacheKeyTile * kCacheKeyTile);
-    } else {
-      kv.PrefetchKey(j);
-    }
-    kv.PrefetchValue(j);
-  }
+  // The next block's K and V lines are prefetched through this block's work (LineStream), paced
+  // by multiply-adds (weighted by what they cost: decode::kFloatWork ...): the score
+  // calls and each key of the value passes ask for their share.
+  uint64_t score_work = decode::kFloatWork, value_work = decode::kFloatWork;
+#if MHA_DECODE_INT_DOTS
+  if (dots) score_work = vnni ? decode::kVnniWork : decode::kAvx2IntWork;
+#endif
+  if (byte_values) value_work = HWY_TARGET == HWY_AVX2 ? decode::kAvx2IntWork : decode::kInt4VnniValueWork;
+  LineStream ahead;
+  ahead.Clear();  // the first block's lines, which no earlier block prefetched: at once
+  kv.AheadKeys(ahead, ua, std::min(ub, ua + static_cast<int64_t>(block)));
+  kv.AheadValues(ahead, ua, std::min(ub, ua + static_cast<int64_t>(block)));
+  ahead.Plan(1);
+  ahead.IssueAll();
   for (int64_t j0 = ua; j0 < ub; j0 += static_cast<int64_t>(block)) {
     const int64_t jn = std::min<int64_t>(static_cast<int64_t>(block), ub - j0);
     if (p.sink_tokens > 0) {  // a block in the gap between sink tokens and every row's window: skip
@@ -336,12 +331,18 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       }
       if (!any) continue;
     }
+    ahead.Clear();
+    {
+      const int64_t lo = j0 + static_cast<int64_t>(block), hi = std::min(ub, lo + static_cast<int64_t>(block));
+      if (lo < hi) {
+        kv.AheadKeys(ahead, lo, hi);
+        kv.AheadValues(ahead, lo, hi);
+      }
+      const uint64_t scores = static_cast<uint64_t>(R) * ((static_cast<size_t>(jn) + N - 1) / N * N) * depth;
+      ahead.Plan(scores * score_work + static_cast<uint64_t>(R) * static_cast<uint64_t>(jn) * Dv * value_work);
+    }
     // Scores: for each N keys, every row's N dot products (head dim in the lanes), K rows read
-    // in memory order. With them go the prefetches (into L2) of the next block's K rows; the
-    // output passes below prefetch its V rows, a share each, one per key. A core reads ~8.5
-    // GB/s on its own, and the arithmetic overlaps that stream only under prefetches spread
-    // through it: moving the V prefetches out of the scores' burst took the bfloat16 step at
-    // 256 MiB from 11.7–13.4 to 9.6–12.0 ms (docs/benchmarks.md).
+    // in memory order.
     // Lanes past the block's last key read that key again; the mask below drops them.
     // Vectors of the block past its last key (a short chunk or the cache's end) are not computed:
     // their scores are -inf, which the mask below keeps.
@@ -350,15 +351,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       for (int64_t r = 0; r < R; ++r) hn::Store(hn::Set(d, kNegInf), d, s + r * block + kb * N);
     for (size_t kb = 0; kb < nkb; ++kb) {
       const int64_t first = j0 + static_cast<int64_t>(kb * N);
-      if constexpr (Kv::kKeyTiles) {  // a tile at a time: one address for 16 keys (docs/benchmarks.md)
-        const int64_t ahead = first + ahead_keys;
-        if (first % kCacheKeyTile == 0 && ahead < ub) kv.PrefetchKeyTile(ahead / kCacheKeyTile * kCacheKeyTile);
-      } else {
-        for (size_t x = 0; x < N; ++x) {
-          const int64_t j = first + static_cast<int64_t>(x);
-          krows[x] = kv.key(std::min(j, j0 + jn - 1));
-          if (j + ahead_keys < ub) kv.PrefetchKey(j + ahead_keys);
-        }
+      if constexpr (!Kv::kKeyTiles) {
+        for (size_t x = 0; x < N; ++x) krows[x] = kv.key(std::min(first + static_cast<int64_t>(x), j0 + jn - 1));
       }
       if constexpr (Kv::kKeyTiles) {
         // Keys past the last of a partial tile read the tile's other lanes (its storage exists;
@@ -379,7 +373,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
               const int32_t* l = ql ? ql + r0 * static_cast<int64_t>(ldw) : nullptr;  // int8 keys only
               WithTileRows(R - r0, [&](auto rt) {
                 TileDots<kBits, decltype(rt)::value>(tile.codes, tile.scales, groups, h, l, ldw, qscale + r0, qg, qr,
-                                                      nout, sr, block);
+                                                      nout, sr, block, ahead);
               });
               continue;
             }
@@ -388,7 +382,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
             for (size_t x = 0; x < N; x += 8) {  // 8 keys a call
               WithTileRows(R - r0, [&](auto rt) {
                 TileDots256<kBits, decltype(rt)::value>(tile.codes, tile.scales, lane0 + x, groups, v, 8 * ldw,
-                                                        qscale + r0, qg, qr, nout, sr + x, block);
+                                                        qscale + r0, qg, qr, nout, sr + x, block, ahead);
               });
             }
             continue;
@@ -396,7 +390,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 #endif
           WithTileRows(R - r0, [&](auto rt) {
             TileScores<kBits, decltype(rt)::value>(d, tile.codes, tile.scales, lane0, groups, q, ldq, qg, qr, nout, sr,
-                                                   block);
+                                                   block, ahead);
           });
         }
       } else if constexpr (kStage) {
@@ -405,7 +399,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           if (bf16_keys) {
             // Rows with a score that is not finite (an Inf or NaN key, a sum past the float range)
             // take the float path's scores for these keys: Inf and NaN land where they land there.
-            uint32_t redo = Bf16Scores(qb, ldb, R, krows, depth, p.scale, s + static_cast<int64_t>(kb * N), block);
+            uint32_t redo =
+                Bf16Scores(qb, ldb, R, krows, depth, p.scale, s + static_cast<int64_t>(kb * N), block, ahead);
             for (int64_t r = 0; redo != 0; ++r, redo >>= 1) {
               if (!(redo & 1)) continue;
               const auto sc = tail ? DotScores<true>(d, qs + r * ldq, kv, krows, depth)
@@ -418,10 +413,13 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 #endif
         // Widen or dequantize the N keys once into the stage (L1), which every query row reads.
         for (size_t x = 0; x < N; ++x) kv.Stage(d, krows[x], depth, kstage + x * N, N * N);
-        for (int64_t r = 0; r < R; ++r)
+        for (int64_t r = 0; r < R; ++r) {
+          ahead.Issue(decode::kFloatWork * N * depth);
           hn::Store(StagedScores(d, qs + r * ldq, kstage, ldq / N), d, s + r * block + kb * N);
+        }
       } else {
         for (int64_t r = 0; r < R; ++r) {
+          ahead.Issue(decode::kFloatWork * N * depth);
           const auto sc = tail ? DotScores<true>(d, qs + r * ldq, kv, krows, depth)
                                : DotScores<false>(d, qs + r * ldq, kv, krows, depth);
           hn::Store(sc, d, s + r * block + kb * N);
@@ -494,8 +492,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       if (pairs) PairWeights(s, R, block, pw);  // int4 values with bfloat16 dot products (Int4Output)
     }
 #endif
-    int64_t pass = 0;  // passes over this block's value rows so far
-    bool byte_pass = false;  // the block's values taken by Int4Output256
+      bool byte_pass = false;  // the block's values taken by Int4Output256
 #if MHA_DECODE_BYTE_VALUES
     if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
       byte_pass = byte_values && decode::ByteValueWeights<Kv>(d, s, block, static_cast<size_t>(R), pmax, vrows,
@@ -504,8 +501,6 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       for (size_t c0 = 0; byte_pass && c0 < Dv; c0 += kOutVecs * N) {
         const size_t nc = std::min(kOutVecs * N, Dv - c0), g = c0 / kCacheQuantGroup;
         for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
-          const int64_t first = j0 + ahead_keys + pass++ * value_share;
-          const KeyRange prefetch{first, std::min(ub, first + value_share)};
           const size_t i = g * static_cast<size_t>(R) + static_cast<size_t>(r0);
           WithTileRows(R - r0, [&](auto rt) {
             constexpr size_t RT = decltype(rt)::value;
@@ -513,15 +508,15 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
             float* oc = o + r0 * dvp + c0;
 #if HWY_TARGET == HWY_AVX2
             if (nc == kOutVecs * N) {
-              Int4Output256<RT, true>(u, block, kv, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
-                                      vsteps + i, oc, dvp, prefetch);
+              Int4Output256<RT, true>(u, block, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
+                                      vsteps + i, oc, dvp, ahead);
             } else {
-              Int4Output256<RT, false>(u, block, kv, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
-                                       vsteps + i, oc, dvp, prefetch);
+              Int4Output256<RT, false>(u, block, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
+                                       vsteps + i, oc, dvp, ahead);
             }
 #else  // AVX3: two groups a pass
-            Int4OutputVnniCols<RT>(u, block, static_cast<size_t>(R), kv, vrows, c0, nc, static_cast<size_t>(jn),
-                                   alpha + r0, vmins + i, vsteps + i, oc, dvp, prefetch);
+            Int4OutputVnniCols<RT>(u, block, static_cast<size_t>(R), vrows, c0, nc, static_cast<size_t>(jn),
+                                   alpha + r0, vmins + i, vsteps + i, oc, dvp, ahead);
 #endif
           });
         }
@@ -544,28 +539,25 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           pr = vweights + (g * R + r0) * block;
           mins = vmins + g * R + r0;
         }
-        // The next block's value rows: each pass over this block's prefetches its share of them,
-        // one row per key from the pass's start.
-        const int64_t first = j0 + ahead_keys + pass++ * value_share;
-        const KeyRange prefetch{first, std::min(ub, first + value_share)};
 #if MHA_DECODE_DOTS
         if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
           if (pairs) {
             const uint32_t* w = pw + r0 * block / 2;
             WithRowGroup(rg, [&](auto g) {
-              Int4OutputCols<decltype(g)::value>(w, block / 2, kv, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0,
-                                                  oc, dvp, prefetch);
+              Int4OutputCols<decltype(g)::value>(w, block / 2, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0,
+                                                  oc, dvp, ahead);
             });
             return;
           }
         }
 #endif
         WithRowGroup(rg, [&](auto g) {
-          DecodeOutputCols<decltype(g)::value>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, prefetch,
+          DecodeOutputCols<decltype(g)::value>(d, pr, block, kv, vrows, c0, nc, jn, alpha + r0, oc, dvp, ahead,
                                                mins);
         });
       });
     }
+    ahead.IssueAll();  // what the shares left (none, when the counts above are right)
     if (!partial) continue;
     for (int64_t r = 0; r < R; ++r) {
       float* orow = o + r * static_cast<int64_t>(dvp);
