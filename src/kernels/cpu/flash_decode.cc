@@ -308,18 +308,24 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const hn::RebindToSigned<DF> di;
 
   // The next block's K and V lines are prefetched through this block's work (LineStream), paced
-  // by multiply-adds (weighted by what they cost: decode::kFloatWork ...): the score
-  // calls and each key of the value passes ask for their share.
+  // by multiply-adds (weighted by what they cost: decode::kFloatWork ...): the score calls and
+  // each key of the value passes ask for their share.
   uint64_t score_work = decode::kFloatWork, value_work = decode::kFloatWork;
 #if MHA_DECODE_INT_DOTS
   if (dots) score_work = vnni ? decode::kVnniWork : decode::kAvx2IntWork;
 #endif
   if (byte_values) value_work = HWY_TARGET == HWY_AVX2 ? decode::kAvx2IntWork : decode::kInt4VnniValueWork;
   LineStream ahead;
-  ahead.Clear();  // the first block's lines, which no earlier block prefetched: at once
-  kv.AheadKeys(ahead, ua, std::min(ub, ua + static_cast<int64_t>(block)));
-  kv.AheadValues(ahead, ua, std::min(ub, ua + static_cast<int64_t>(block)));
-  ahead.Plan(1);
+  // Queues the lines of the block of keys from j (none past ub).
+  const auto queue_block = [&](int64_t j) {
+    ahead.Clear();
+    const int64_t hi = std::min(ub, j + static_cast<int64_t>(block));
+    if (j < hi) {
+      kv.AheadKeys(ahead, j, hi);
+      kv.AheadValues(ahead, j, hi);
+    }
+  };
+  queue_block(ua);  // the first block's lines, which no earlier block prefetched: at once
   ahead.IssueAll();
   for (int64_t j0 = ua; j0 < ub; j0 += static_cast<int64_t>(block)) {
     const int64_t jn = std::min<int64_t>(static_cast<int64_t>(block), ub - j0);
@@ -331,16 +337,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       }
       if (!any) continue;
     }
-    ahead.Clear();
-    {
-      const int64_t lo = j0 + static_cast<int64_t>(block), hi = std::min(ub, lo + static_cast<int64_t>(block));
-      if (lo < hi) {
-        kv.AheadKeys(ahead, lo, hi);
-        kv.AheadValues(ahead, lo, hi);
-      }
-      const uint64_t scores = static_cast<uint64_t>(R) * ((static_cast<size_t>(jn) + N - 1) / N * N) * depth;
-      ahead.Plan(scores * score_work + static_cast<uint64_t>(R) * static_cast<uint64_t>(jn) * Dv * value_work);
-    }
+    queue_block(j0 + static_cast<int64_t>(block));
+    const uint64_t score_macs = static_cast<uint64_t>(R) * ((static_cast<size_t>(jn) + N - 1) / N * N) * depth;
+    ahead.Plan(score_macs * score_work + static_cast<uint64_t>(R) * static_cast<uint64_t>(jn) * Dv * value_work);
     // Scores: for each N keys, every row's N dot products (head dim in the lanes), K rows read
     // in memory order.
     // Lanes past the block's last key read that key again; the mask below drops them.
@@ -492,7 +491,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       if (pairs) PairWeights(s, R, block, pw);  // int4 values with bfloat16 dot products (Int4Output)
     }
 #endif
-      bool byte_pass = false;  // the block's values taken by Int4Output256
+    bool byte_pass = false;  // the block's values taken on byte weights (Int4Output256, Int4OutputVnni)
 #if MHA_DECODE_BYTE_VALUES
     if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
       byte_pass = byte_values && decode::ByteValueWeights<Kv>(d, s, block, static_cast<size_t>(R), pmax, vrows,
