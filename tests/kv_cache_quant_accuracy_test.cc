@@ -1,4 +1,5 @@
-// int4 KV caches read exactly where every path's roundings are exact (values, key scores), and
+// int4 and int8 KV caches read exactly where every path's roundings are exact (values, key
+// scores), the integer value passes within their derived bounds, and
 // the error of int8/int4 caches against a float32 cache on random and outlier-heavy keys
 // (docs/numerics.md, "KV cache storage"; issue 13's accuracy target). The stored format and the
 // decode kernel against the float32 kernel: kv_cache_quant_test.cc.
@@ -17,26 +18,29 @@
 namespace mha::test {
 namespace {
 
-// The int4 value pass exactly, on problems where every path's roundings are exact: value rows
-// whose groups each hold a 0 and a 15 (scale 1, minimum 0: the values are their codes, exact in
-// bfloat16 too) and attention weights of exactly 1 and 0 (a query 100× one key of ±1 entries,
-// the keys drawn at least 4 signs apart: every other score is then 100 · 2 · 4 / √32 ≈ 141 or
-// more below, and its exp underflows; keys 1 or 2 signs apart, which random keys were at some
-// seeds, left weights of 1e-45). Each query head then reads
-// its target key's value row exactly, whether the value pass runs float FMAs or bfloat16 dot
-// products on key pairs: every position of three blocks is a target in turn (both keys of a
-// pair, the odd last key of a partial block, value heads of 40 columns: a partial group). A
-// query of zeros then attends uniformly: the mean of integers, exact in float32 sums, which a
-// dropped or doubled key would move by ~1/L. The 2^-6 bound of QuantDecode catches such a key
-// only while it is a large share of the output (short sequences).
-TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
+// The int4 and int8 value passes exactly, on problems where every path's roundings are exact: value
+// rows whose groups each hold a 0 and the largest code, 15 or 255 (scale 1, minimum 0: the values
+// are their codes, exact in bfloat16 too; weights of 1 round to whole bytes and words) and
+// attention weights of exactly 1 and 0 (a query 100× one key of ±1 entries, the keys drawn at least
+// 4 signs apart: every other score is then 100 · 2 · 4 / √32 ≈ 141 or more below, and its exp
+// underflows; keys 1 or 2 signs apart, which random keys were at some seeds, left weights of
+// 1e-45). Each query head then reads its target key's value row exactly, whether the value pass
+// runs float FMAs, bfloat16 dot products on key pairs or integer products on rounded weights: every
+// position of three blocks is a target in turn (both keys of a pair, the odd last key of a partial
+// block, value heads of 40 columns: a partial group). A query of zeros then attends uniformly: the
+// mean of integers, exact in float32 sums, which a dropped or doubled key would move by ~1/L. The
+// 2^-6 bound of QuantDecode catches such a key only while it is a large share of the output (short
+// sequences).
+TEST(KvCacheQuantAccuracy, IntegerValuesExactWhereTheRoundingsAre) {
   constexpr int64_t G = 6, L = 301, Dk = 32;
-  for (int64_t Dv : {40, 128}) {
+  for (const auto& [type, Dv] : std::vector<std::pair<CacheType, int64_t>>{
+           {CacheType::kInt4, 40}, {CacheType::kInt4, 128}, {CacheType::kInt8, 40}, {CacheType::kInt8, 128}}) {
+    const int64_t top = type == CacheType::kInt4 ? 15 : 255;  // the largest code
     KvCacheConfig c;
     c.kv_heads = 1;
     c.head_dim_qk = Dk;
     c.head_dim_v = Dv;
-    c.dtype = CacheType::kInt4;
+    c.dtype = type;
     KvCache cache(c);
     Rng rng(base_seed() + 805);
     Tensor k(DType::kF32, {1, 1, L, Dk}), v(DType::kF32, {1, 1, L, Dv});
@@ -54,7 +58,7 @@ TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
     }
     for (int64_t t = 0; t < L; ++t)
       for (int64_t e = 0; e < Dv; ++e)
-        v.view<float>().at(0, 0, t, e) = static_cast<float>(e % 32 == 0 ? 0 : e % 32 == 1 ? 15 : rng.range(0, 15));
+        v.view<float>().at(0, 0, t, e) = static_cast<float>(e % 32 == 0 ? 0 : e % 32 == 1 ? top : rng.range(0, top));
     cache.append(k.view<float>(), v.view<float>());
     const Tensor stored = cache.values_as_float();  // (1, 1, capacity >= L, Dv)
     for (int64_t t = 0; t < L; ++t)                 // the values are their codes
@@ -63,7 +67,8 @@ TEST(KvCacheQuantAccuracy, Int4ValuesExactWhereTheRoundingsAre) {
     const RestoreKernelSwitches restore;
     for (bool dots : {true, false}) {
       kernels::allow_decode_dot_products(dots);
-      SCOPED_TRACE("Dv " + std::to_string(Dv) + (dots ? ", dot products where the CPU has them" : ", float path"));
+      SCOPED_TRACE(std::string(cache_type_name(type)) + " Dv " + std::to_string(Dv) +
+                   (dots ? ", dot products where the CPU has them" : ", float path"));
       Tensor q(DType::kF32, {1, G, 1, Dk}), out(DType::kF32, {1, G, 1, Dv});
       for (int64_t t0 = 0; t0 < L; t0 += G) {
         for (int64_t h = 0; h < G; ++h)
@@ -163,41 +168,49 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
   }
 }
 
-// The int4 value passes on byte weights (AVX2: Int4Output256; AVX3 with VNNI and VBMI:
-// Int4OutputVnni), each on its target, against the exact attention of an exact problem: integer
-// products as in Int4KeyScoresExactWhereTheRoundingsAre, with random codes; L = 301: several
-// blocks, the last partial. The scores are exact, so that the pass differs from naive_attention
-// by the weights' rounding and the float pass's own (16u of the output). Values are their codes
-// (scale 1, minimum 0: each group holds a 0 and a 15). Per block, row and group the pass rounds
-// w_j = P_j·scale_j to a multiple of a step below 2·Pmax·Smax/255 (docs/numerics.md), so each
-// w_j moves by less than Pmax·Smax/255, and the output by that times |code_j − 8| ≤ 8. In final
+// The integer value passes on rounded weights, each on its target, against the exact attention
+// of an exact problem: int4 on byte weights (AVX2: Int4Output256; AVX3 with VNNI and VBMI:
+// Int4OutputVnni), int8 on 16-bit weights (AVX3 with VNNI: Int8OutputVnni). Integer products as
+// in Int4KeyScoresExactWhereTheRoundingsAre (int8 keys alike: every group of a key holds a 0 and
+// a 255, every channel a 255), with random codes; L = 301: several blocks, the last partial. The
+// scores are exact, so that the pass differs from naive_attention by the weights' rounding and
+// the float pass's own (16u of the output). Values are their codes (scale 1, minimum 0: each
+// group holds a 0 and the largest code). Per block, row and group the pass rounds w_j =
+// P_j·scale_j to a multiple of a step below 2·Pmax·Smax/M (M = 255 bytes, 32767 words;
+// docs/numerics.md), so each w_j moves by less than Pmax·Smax/M, and the output by that times
+// the code the pass multiplies: |code_j − 8| ≤ 8 for int4, code_j ≤ 255 for int8. In final
 // softmax weights p (naive_attention's), Pmax/l is the largest p of the key's block, at most p̂_j
 // = the largest of the 2·block − 1 keys around j (a block has 64 keys on AVX2, 128 on AVX3):
-// |Δo| ≤ (8/255)·Σ_j p̂_j. That is the worst case, all roundings one way (~20% of the output
-// here); the roundings are independent, each uniform within ±step/2, so Δo has
-// σ ≤ √(Σ_j p̂_j²·(code_j − 8)²/3)/255, and 6σ is checked too. The pass must differ from the
-// target's pass with byte values turned off (float FMAs, or AVX3's bfloat16 dot products)
-// somewhere: else it did not run.
-TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
-  const std::vector<std::string> targets = kernels::simd_targets();
-  std::vector<std::pair<std::string, int64_t>> passes;  // target, keys per block
-  const auto has = [&](const char* t) { return std::find(targets.begin(), targets.end(), t) != targets.end(); };
-  if (has("AVX2") && kernels::decode_byte_values()) passes.emplace_back("AVX2", 64);
-  if (has("AVX3") && kernels::decode_vnni_byte_values()) passes.emplace_back("AVX3", 128);
-  if (passes.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VNNI and VBMI: no byte value pass runs";
+// |Δo| ≤ (c/M)·Σ_j p̂_j with c the largest code multiplied. That is the worst case, all roundings
+// one way (~20% of the output here); the roundings are independent, each uniform within
+// ±step/2, so Δo has σ ≤ √(Σ_j p̂_j²·c_j²/3)/M, and 6σ is checked too. The pass must differ from
+// the target's pass with the integer value passes turned off (float FMAs, or AVX3's bfloat16
+// dot products for int4) somewhere: else it did not run.
+struct ValuePass {
+  std::string target;
+  int64_t block;  // keys per block
+};
+
+void CheckValuePassBound(CacheType type, const std::vector<ValuePass>& passes, uint64_t seed) {
+  const bool int4 = type == CacheType::kInt4;
+  const int64_t top = int4 ? 15 : 255, offset = int4 ? 8 : 0;  // the pass multiplies code − offset
+  const double levels = int4 ? 255 : 32767;
   constexpr int64_t G = 4, L = 301, D = 64;
-  KvCache cache(Int4Config(D));
-  Rng rng(base_seed() + 807);
+  KvCacheConfig config = Int4Config(D);
+  config.dtype = type;
+  KvCache cache(config);
+  Rng rng(seed);
   Tensor k(DType::kF32, {1, 1, L, D}), v(DType::kF32, {1, 1, L, D});
-  // Random codes, each group of a key or value row with a 0 and a 15, and every key channel
-  // with a 15 (keys 0 and 1 alternate them): the codes are the values, the key channel scales
-  // all equal. Random, so that the scores (and the weights' roundings) do not repeat.
+  // Random codes, each group of a key or value row with a 0 and the largest code, and every key
+  // channel with the largest (keys 0 and 1 alternate them): the codes are the values, the key
+  // channel scales all equal. Random, so that the scores (and the weights' roundings) do not
+  // repeat.
   for (int64_t t = 0; t < L; ++t)
     for (int64_t e = 0; e < D; ++e) {
       const int64_t at = ((e - 2 * t) % 32 + 32) % 32;
-      const int64_t key = t < 2 ? ((e + t) % 2 ? 0 : 15) : at == 0 ? 0 : at == 1 ? 15 : rng.range(0, 15);
+      const int64_t key = t < 2 ? ((e + t) % 2 ? 0 : top) : at == 0 ? 0 : at == 1 ? top : rng.range(0, top);
       k.view<float>().at(0, 0, t, e) = static_cast<float>(key);
-      v.view<float>().at(0, 0, t, e) = static_cast<float>(e % 32 == 0 ? 0 : e % 32 == 1 ? 15 : rng.range(0, 15));
+      v.view<float>().at(0, 0, t, e) = static_cast<float>(e % 32 == 0 ? 0 : e % 32 == 1 ? top : rng.range(0, top));
     }
   cache.append(k.view<float>(), v.view<float>());
   ASSERT_EQ(StoredDifferently(cache, k, v), 0);
@@ -207,29 +220,30 @@ TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
   const NaiveResult want = naive_attention({q.view<float>(), k.view<float>(), v.view<float>()}, options);
   for (const auto& [target, block] : passes) {
     SCOPED_TRACE(target);
-    Tensor bytes(DType::kF32, {1, G, 1, D}), other(DType::kF32, {1, G, 1, D});
+    Tensor rounded(DType::kF32, {1, G, 1, D}), other(DType::kF32, {1, G, 1, D});
     const RestoreKernelSwitches restore;
     kernels::force_simd_target(target);
-    attend(q.view<float>(), cache, bytes.view<float>(), options);
+    attend(q.view<float>(), cache, rounded.view<float>(), options);
     kernels::allow_decode_byte_values(false);
     attend(q.view<float>(), cache, other.view<float>(), options);
     int64_t differ = 0;
     double worst = 0, worst_sigmas = 0, diff2 = 0, norm2 = 0;
     for (int64_t h = 0; h < G; ++h) {
       const double* p = want.weights.data() + h * L;
-      std::vector<double> top(L);  // p̂_j
+      std::vector<double> near(L);  // p̂_j
       for (int64_t j = 0; j < L; ++j)
-        top[j] = *std::max_element(p + std::max<int64_t>(0, j - block + 1), p + std::min(L, j + block));
+        near[j] = *std::max_element(p + std::max<int64_t>(0, j - block + 1), p + std::min(L, j + block));
       double worst_case = 0;
-      for (int64_t j = 0; j < L; ++j) worst_case += 8.0 / 255 * top[j];
+      const double largest = static_cast<double>(std::max(offset, top - offset));  // |code − offset|
+      for (int64_t j = 0; j < L; ++j) worst_case += largest / levels * near[j];
       for (int64_t e = 0; e < D; ++e) {
         double var = 0;
         for (int64_t j = 0; j < L; ++j) {
-          const double x = top[j] * (v.view<float>().at(0, 0, j, e) - 8.0);
+          const double x = near[j] * (v.view<float>().at(0, 0, j, e) - static_cast<double>(offset));
           var += x * x / 3;
         }
-        const double sigma = std::sqrt(var) / 255, rounding = 16.0 * 15 / (1 << 24);
-        const double got = bytes.view<float>().at(0, h, 0, e), ref = want.out[static_cast<size_t>(h * D + e)];
+        const double sigma = std::sqrt(var) / levels, rounding = 16.0 * static_cast<double>(top) / (1 << 24);
+        const double got = rounded.view<float>().at(0, h, 0, e), ref = want.out[static_cast<size_t>(h * D + e)];
         EXPECT_LE(std::abs(got - ref), worst_case + rounding) << "head " << h << ", column " << e;
         EXPECT_LE(std::abs(got - ref), 6 * sigma + rounding) << "head " << h << ", column " << e;
         differ += got != other.view<float>().at(0, h, 0, e);
@@ -239,12 +253,31 @@ TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
         worst_sigmas = std::max(worst_sigmas, std::abs(got - ref) / sigma);
       }
     }
-    EXPECT_GT(differ, 0) << "the byte value pass gave the other pass's bits: did it run?";
-    std::printf("%s byte value pass against exact attention: %lld of %lld outputs differ from the pass without "
-                "byte values; the largest error %.3g (%.2f sigma), norm-wise %.3g\n",
-                target.c_str(), static_cast<long long>(differ), static_cast<long long>(G * D), worst, worst_sigmas,
-                std::sqrt(diff2 / norm2));
+    EXPECT_GT(differ, 0) << "the integer value pass gave the other pass's bits: did it run?";
+    std::printf("%s %s value pass against exact attention: %lld of %lld outputs differ from the pass without "
+                "integer values; the largest error %.3g (%.2f sigma), norm-wise %.3g\n",
+                target.c_str(), cache_type_name(type), static_cast<long long>(differ), static_cast<long long>(G * D),
+                worst, worst_sigmas, std::sqrt(diff2 / norm2));
   }
+}
+
+bool HasTarget(const char* t) {
+  const std::vector<std::string> targets = kernels::simd_targets();
+  return std::find(targets.begin(), targets.end(), t) != targets.end();
+}
+
+TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
+  std::vector<ValuePass> passes;
+  if (HasTarget("AVX2") && kernels::decode_byte_values()) passes.push_back({"AVX2", 64});
+  if (HasTarget("AVX3") && kernels::decode_vnni_byte_values()) passes.push_back({"AVX3", 128});
+  if (passes.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VNNI and VBMI: no byte value pass runs";
+  CheckValuePassBound(CacheType::kInt4, passes, base_seed() + 807);
+}
+
+TEST(KvCacheQuantAccuracy, Int8WordValuesWithinTheirBound) {
+  if (!HasTarget("AVX3") || !kernels::decode_vnni_word_values())
+    GTEST_SKIP() << "this CPU has no AVX-512 VNNI: no word value pass runs";
+  CheckValuePassBound(CacheType::kInt8, {{"AVX3", 128}}, base_seed() + 808);
 }
 
 // The error of decoding from a quantized cache against a float32 cache of the same keys and

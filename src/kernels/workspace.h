@@ -37,7 +37,7 @@ class Workspace {
     kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeSeen, kDecodeMerge,
     kDecodeOut, kDecodeMax, kDecodeSum, kDecodeQuerySums, kDecodeQueryWords, kDecodeQueryVectors, kDecodeWeightPairs,
     kDecodeSavedOut,
-    kDecodeValueScales, kDecodeValueWeights, kDecodeValueMins, kDecodeValueBytes, kDecodeValueSteps,
+    kDecodeValueScales, kDecodeValueWeights, kDecodeValueMins, kDecodeValueBytes, kDecodeValueWords, kDecodeValueSteps,
     // varlen_attention (src/ops/varlen.cc): one sequence's rows, head-major, around the kernel calls.
     kVarlenQuery, kVarlenKey, kVarlenValue, kVarlenOut, kVarlenGradOut, kVarlenGradQuery, kVarlenGradKey,
     kVarlenGradValue,

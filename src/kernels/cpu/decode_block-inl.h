@@ -1,10 +1,10 @@
-// The inner loops of the decode kernel (flash_decode.cc) over one block of keys: the scores of
-// N keys for one query row (DotScores from the K rows, StagedScores from keys widened or
-// dequantized into a stage), head dim in the lanes and the N sums reduced together; and the
-// output pass (DecodeOutputCols), value columns in the lanes, each V row loaded once per block
-// and broadcast-multiplied into every row's accumulator (VisibleOutput: one row over only the
-// keys it sees); and the query rows they read (LoadQueryRow). Kv: how K and V are stored
-// (decode_kv-inl.h).
+// The inner loops of the decode kernel (flash_decode.cc) over one block of keys: the scores of N
+// keys for one query row (DotScores from the K rows, StagedScores from keys widened or dequantized
+// into a stage), head dim in the lanes and the N sums reduced together; the online softmax of a
+// block's scores (BlockSoftmax: softcap, ALiBi, mask); and the output pass (DecodeOutputCols),
+// value columns in the lanes, each V row loaded once per block and broadcast-multiplied into every
+// row's accumulator (VisibleOutput: one row over only the keys it sees); and the query rows they
+// read (LoadQueryRow). Kv: how K and V are stored (decode_kv-inl.h).
 #if defined(MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
@@ -13,13 +13,17 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/attention_params.h"
 #include "kernels/cpu/decode_kv-inl.h"
+#include "kernels/cpu/decode_merge-inl.h"
+#include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/transpose-inl.h"
 #include "mha/half.h"
 #include "util/convert-inl.h"
@@ -79,6 +83,39 @@ HWY_INLINE void TransposeValueScales(DF d, size_t ldp, const typename Kv::Row* v
     }
   }
   for (size_t i = 0; i < 2 * groups; ++i) std::fill(st + i * ldp + jn, st + i * ldp + jv, 0.0f);
+}
+
+// For the integer value passes' weights (ByteValueWeights, WordValueWeights): smax[g] = the
+// largest scale of group g in st (TransposeValueScales's rows, keys j < jv, a multiple of
+// Lanes(d)); false where a scale is negative or not finite, or a minimum not finite.
+template <class D>
+HWY_INLINE bool ValueScaleMaxima(D d, const float* st, size_t ldp, size_t jv, size_t groups, float* smax) {
+  using V = hn::Vec<D>;
+  for (size_t g = 0; g < groups; ++g) {
+    const float* scale = st + 2 * g * ldp;
+    V top = hn::Zero(d);
+    auto ok = hn::Eq(top, top);
+    for (size_t j = 0; j < jv; j += hn::Lanes(d)) {
+      const V x = hn::Load(d, scale + j);
+      ok = hn::And(ok, hn::And(hn::Ge(x, hn::Zero(d)), hn::IsFinite(hn::Load(d, scale + ldp + j))));
+      top = hn::Max(top, x);
+    }
+    smax[g] = hn::GetLane(hn::MaxOfLanes(d, top));
+    if (!hn::AllTrue(d, ok) || !std::isfinite(smax[g])) return false;
+  }
+  return true;
+}
+
+// The power of two at or above a finite bound ≥ 0: the exponent's next step unless the mantissa
+// is 0 (a subnormal bound gives 2^-126, 0 gives 0). The integer passes' weight steps: w / step
+// is then exact.
+inline float PowerOfTwoAtOrAbove(float bound) {
+  uint32_t bits;
+  std::memcpy(&bits, &bound, sizeof bits);
+  bits = (bits + 0x007FFFFFu) & 0xFF800000u;
+  float step;
+  std::memcpy(&step, &bits, sizeof step);
+  return step;
 }
 
 template <class Kv>
@@ -233,6 +270,73 @@ HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv
     default: MHA_DECODE_OUTPUT(kOutVecs); break;
   }
 #undef MHA_DECODE_OUTPUT
+}
+
+// The online softmax of a block of keys from j0 (jn of them; the scores past jn are -inf) for
+// rows r < R, scores in place at s + r·block, block = kVecs·N (keys in the lanes: horizontal max
+// and sum):
+// softcap and ALiBi, the mask of each row's visible keys (seen[r]; skipped where the row sees
+// the whole block), then P = exp(S − m_new) in place, alpha[r] = exp(m_old − m_new), and m, l
+// updated. pmax (unless null): each row's largest P of the block, for the integer value passes'
+// weights; not finite where a P is not (a score of +inf or NaN: it shows in the sum, where the
+// max may drop a NaN), which gives the block to the float pass.
+template <size_t kVecs>
+HWY_INLINE void BlockSoftmax(DF d, const AttentionParams& p, int64_t b, int64_t hk, const DecodeRows& rows, int64_t R,
+                             int64_t j0, int64_t jn, const KeyRange* seen, float* s, float* m, float* l, float* alpha,
+                             float* pmax) {
+  const hn::RebindToSigned<DF> di;
+  const size_t N = hn::Lanes(d), block = kVecs * N;
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * block;
+    if (p.softcap > 0 || p.alibi) {
+      const int64_t h = rows.head(p, hk, r);
+      const auto cap = hn::Set(d, p.softcap), inv = hn::Set(d, p.softcap > 0 ? 1.0f / p.softcap : 0.0f);
+      const auto slope = hn::Set(d, alibi_slope(p, b, h));
+      // Distances as float, exact below 2^24 keys (as in the prefill kernels).
+      const auto pos = hn::Set(d, static_cast<float>(query_position(p, b, rows.query(p, r)) - j0));
+      for (size_t kv = 0; kv < kVecs; ++kv) {
+        auto x = hn::Load(d, sr + kv * N);
+        if (p.softcap > 0) x = hn::Mul(cap, SoftcapTanh(d, hn::Mul(x, inv)));
+        if (p.alibi) x = hn::NegMulAdd(slope, hn::Abs(hn::Sub(pos, hn::Iota(d, static_cast<float>(kv * N)))), x);
+        hn::Store(x, d, sr + kv * N);
+      }
+    }
+    auto mx = hn::Set(d, kNegInf);
+    const KeyRange& k = seen[r];
+    if (k.covers(j0, j0 + static_cast<int64_t>(block))) {
+      // Every key of the block visible (most blocks): no mask. Masking every block took ~4% of
+      // the cache-resident int8 and int4 steps (docs/benchmarks.md).
+      for (size_t kv = 0; kv < kVecs; ++kv) mx = hn::Max(mx, hn::Load(d, sr + kv * N));
+    } else {
+      // Key indices relative to the block fit int32 lanes whatever the key count (> 2^31 too).
+      const auto lo_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(k.lo - j0, -1, jn) - 1));
+      const auto hi_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(k.hi - j0, -1, jn)));
+      const auto sink_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(k.sink_hi - j0, 0, jn)));
+      for (size_t kv = 0; kv < kVecs; ++kv) {
+        const auto j = hn::Iota(di, static_cast<int32_t>(kv * N));
+        const auto vis = hn::Or(hn::And(hn::Lt(lo_rel, j), hn::Lt(j, hi_rel)), hn::Lt(j, sink_rel));
+        const auto x = hn::IfThenElse(hn::RebindMask(d, vis), hn::Load(d, sr + kv * N), hn::Set(d, kNegInf));
+        hn::Store(x, d, sr + kv * N);
+        mx = hn::Max(mx, x);
+      }
+    }
+    const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, mx)));
+    // Nothing visible yet: shift by 0, so P = 2^-inf = 0 — but a NaN score still gives NaN
+    // (the horizontal max may have dropped it) and reaches l.
+    const float shift = m_new == kNegInf ? 0.0f : m_new;
+    alpha[r] = m_new == kNegInf ? 1.0f : m[r] == kNegInf ? 0.0f : std::exp2((m[r] - m_new) * kLog2e);
+    auto sum = hn::Zero(d), top = hn::Zero(d);
+    for (size_t kv = 0; kv < kVecs; ++kv) {
+      const auto e = Exp2(d, hn::Mul(hn::Sub(hn::Load(d, sr + kv * N), hn::Set(d, shift)), hn::Set(d, kLog2e)));
+      hn::Store(e, d, sr + kv * N);
+      sum = hn::Add(sum, e);
+      if (pmax) top = hn::Max(top, e);
+    }
+    const float block_sum = hn::GetLane(hn::SumOfLanes(d, sum));
+    if (pmax) pmax[r] = std::isfinite(block_sum) ? hn::GetLane(hn::MaxOfLanes(d, top)) : block_sum;
+    l[r] = l[r] * alpha[r] + block_sum;
+    m[r] = m_new;
+  }
 }
 
 // O[0 .. Dv) = alpha·O + Σ P[j] · V_j over the keys j0 + j (j < jn) that the row sees

@@ -255,18 +255,7 @@ HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
   using V = hn::Vec<decltype(d8)>;
   const size_t N = hn::Lanes(d8), jv = (jn + N - 1) / N * N;
   float* smax = steps + groups * R;
-  for (size_t g = 0; g < groups; ++g) {  // every group checked before any weight is written
-    const float* scale = st + 2 * g * ldp;
-    V top = hn::Zero(d8);
-    auto ok = hn::Eq(top, top);
-    for (size_t j = 0; j < jv; j += N) {
-      const V x = hn::Load(d8, scale + j);
-      ok = hn::And(ok, hn::And(hn::Ge(x, hn::Zero(d8)), hn::IsFinite(hn::Load(d8, scale + ldp + j))));
-      top = hn::Max(top, x);
-    }
-    smax[g] = hn::GetLane(hn::MaxOfLanes(d8, top));
-    if (!hn::AllTrue(d8, ok) || !std::isfinite(smax[g])) return false;
-  }
+  if (!ValueScaleMaxima(d8, st, ldp, jv, groups, smax)) return false;  // before any weight is written
   // Bytes 0-3 of each 128-bit half after the packs: keys 0-3, 8-11 | 4-7, 12-15 (words), then
   // 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31 (bytes): dwords 0, 4, 1, 5, 2, 6, 3, 7 in order.
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -278,13 +267,7 @@ HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
     for (size_t r = 0; r < R; ++r) {
       const float* p = pr + r * ldp;
       const size_t i = g * R + r;
-      // Rounded up to a power of two: the exponent's next step unless the mantissa is 0 (a
-      // subnormal bound gives 2^-126, 0 gives 0); finite, below 2^122.
-      const float bound = pmax[r] * (smax[g] / 255.0f);
-      uint32_t bits;
-      std::memcpy(&bits, &bound, sizeof bits);
-      bits = (bits + 0x007FFFFFu) & 0xFF800000u;
-      std::memcpy(&steps[i], &bits, sizeof bits);
+      steps[i] = PowerOfTwoAtOrAbove(pmax[r] * (smax[g] / 255.0f));  // finite, below 2^122
       const V inv = hn::Set(d8, steps[i] > 0.0f ? 1.0f / steps[i] : 0.0f);
       for (size_t j = 0; j < jv; j += 4 * N) {  // a last part may read past jv: its bytes are never used
         __m256i c[4];
@@ -499,12 +482,10 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
 // bfloat16 pass has 32 (and vdpbf16ps ran at a quarter of the FMAs' rate on the Xeon that
 // measured this, docs/benchmarks.md). The sums stay exact in int32 over a block (|Σ| ≤ 255·8
 // per key), then are converted and added into O in float, times the step, once.
+// O = alpha·O + mins for RT rows and NV vectors of 16 columns (a group's mins, at +ldg, for each
+// two): where the integer value passes over two groups (Int4OutputVnni, Int8OutputVnni) start.
 template <size_t RT, size_t NV>
-__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni,avx512vbmi"))) void Int4OutputVnni(
-    const uint8_t* u, size_t ldu, size_t ldg, const QuantKv<4>::Row* vrows, size_t c0,
-    size_t jn, const float* alpha, const float* mins, const float* steps, float* o, size_t ldo, LineStream& ahead) {
-  static_assert(kCacheQuantGroup == 32 && NV <= 4, "a group is two vectors of 16 columns; two groups a pass");
-  constexpr size_t NG = (NV + 1) / 2;  // groups of the pass
+HWY_INLINE void ScaleAndAddMins(const float* alpha, const float* mins, size_t ldg, float* o, size_t ldo) {
   for (size_t r = 0; r < RT; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
     for (size_t c = 0; c < NV; ++c) {
@@ -512,6 +493,15 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni,avx512vbmi"))) void Int4O
       _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(out), a, _mm512_set1_ps(mins[c / 2 * ldg + r])));
     }
   }
+}
+
+template <size_t RT, size_t NV>
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni,avx512vbmi"))) void Int4OutputVnni(
+    const uint8_t* u, size_t ldu, size_t ldg, const QuantKv<4>::Row* vrows, size_t c0,
+    size_t jn, const float* alpha, const float* mins, const float* steps, float* o, size_t ldo, LineStream& ahead) {
+  static_assert(kCacheQuantGroup == 32 && NV <= 4, "a group is two vectors of 16 columns; two groups a pass");
+  constexpr size_t NG = (NV + 1) / 2;  // groups of the pass
+  ScaleAndAddMins<RT, NV>(alpha, mins, ldg, o, ldo);
   // The four keys' 32 bytes (two groups) as [key 0 | key 1] and [key 2 | key 3]; dword i of the
   // gathers holds byte i (first) or 16 + i (second) of keys 0-3. Byte i of a group holds its
   // column i (low nibble) and i + 16 (high).

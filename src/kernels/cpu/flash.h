@@ -50,6 +50,10 @@ bool decode_byte_values();
 // The same on the AVX3 target with AVX-512 VNNI and VBMI (Int4OutputVnni, in place of the
 // bfloat16 dot products), unless VNNI or the byte values are turned off.
 bool decode_vnni_byte_values();
+// Whether the AVX3 target reads an int8 cache's values with AVX-512 VNNI's 16-bit products on
+// weights rounded to words (Int8OutputVnni, in place of the float pass), where the CPU has VNNI,
+// unless VNNI or the byte values (which turns off every integer value pass) are turned off.
+bool decode_vnni_word_values();
 void allow_decode_byte_values(bool allow);
 
 // SIMD targets compiled in and supported here, best first ("AVX3", "AVX2", "EMU128"), and a

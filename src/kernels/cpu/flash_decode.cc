@@ -7,10 +7,11 @@
 //   output  O[r][c]  with value columns in the lanes: each V row is loaded once per block and
 //                    broadcast-multiplied into every row's accumulator.
 // Each K/V byte is read from memory once per step; 16-bit K and V are widened and int8/int4
-// cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h; the scores of N keys
-// and the output pass over a block: decode_block-inl.h; int8/int4 keys by tiles, int4 values
-// and bfloat16 keys with dot products: decode_quant-inl.h). This file runs the blocks of a chunk
-// (prefetches, mask, online softmax) and the chunks as tasks. The keys of a (batch, kv head) may
+// cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h; the scores of N keys,
+// the block's online softmax and the output pass over a block: decode_block-inl.h; int8/int4 keys
+// by tiles, int4 values and bfloat16 keys with dot products: decode_quant-inl.h; int8 values
+// with dot products: decode_words-inl.h). This file runs the blocks of a chunk (prefetches, the
+// passes each block takes) and the chunks as tasks. The keys of a (batch, kv head) may
 // be cut into S chunks (S depends on the shape alone, never on threads) that run as separate
 // tasks; their partial (O, m, l) are merged in chunk order through their log-sum-exp
 // (decode_merge-inl.h), so the result has the same bits for any thread count.
@@ -28,6 +29,7 @@
 #include "kernels/cpu/decode_kv-inl.h"
 #include "kernels/cpu/decode_merge-inl.h"
 #include "kernels/cpu/decode_quant-inl.h"
+#include "kernels/cpu/decode_words-inl.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/transpose-inl.h"
@@ -294,18 +296,28 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 #if MHA_DECODE_BYTE_VALUES
   const bool byte_values =
       std::is_same_v<Kv, QuantKv<4>> && (HWY_TARGET == HWY_AVX2 ? decode_byte_values() : decode_vnni_byte_values());
-  if (byte_values && !vstage) {
-    vstage = ws.get<float>(Workspace::kDecodeValueScales, 2 * vgroups * block);
-    vmins = ws.get<float>(Workspace::kDecodeValueMins, vgroups * R);
-  }
   uint8_t* vbytes = byte_values ? ws.get<uint8_t>(Workspace::kDecodeValueBytes, vgroups * R * block) : nullptr;
-  float* vsteps = byte_values ? ws.get<float>(Workspace::kDecodeValueSteps, vgroups * (R + 1)) : nullptr;
 #else
   constexpr bool byte_values = false;
 #endif
-  // Each row's largest P in the block (Int4Output256's weights; unused by the other paths).
+  // int8 values with AVX-512 VNNI's 16-bit products where allowed: the folded weights rounded to
+  // words, per block (WordValueWeights), passes of kTileRows rows (Int8OutputVnni).
+#if MHA_DECODE_WORD_VALUES
+  static_assert(kBlockVecs * 16 <= decode::kWordPassKeys, "Int8OutputVnni sums a block in int32");
+  const bool word_values = std::is_same_v<Kv, QuantKv<8>> && decode_vnni_word_values();
+  int16_t* vwords = word_values ? ws.get<int16_t>(Workspace::kDecodeValueWords, vgroups * R * block) : nullptr;
+#else
+  constexpr bool word_values = false;
+#endif
+  const bool int_values = byte_values || word_values;
+  if (int_values && !vstage) {
+    vstage = ws.get<float>(Workspace::kDecodeValueScales, 2 * vgroups * block);
+    vmins = ws.get<float>(Workspace::kDecodeValueMins, vgroups * R);
+  }
+  [[maybe_unused]] float* vsteps =
+      int_values ? ws.get<float>(Workspace::kDecodeValueSteps, vgroups * (R + 1)) : nullptr;
+  // Each row's largest P in the block (the integer value passes' weights; unused by the others).
   [[maybe_unused]] float pmax[kMaxDecodeRows];
-  const hn::RebindToSigned<DF> di;
 
   // The next block's K and V lines are prefetched through this block's work (LineStream), paced
   // by multiply-adds (weighted by what they cost: decode::kFloatWork ...): the score calls and
@@ -315,6 +327,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   if (dots) score_work = vnni ? decode::kVnniWork : decode::kAvx2IntWork;
 #endif
   if (byte_values) value_work = HWY_TARGET == HWY_AVX2 ? decode::kAvx2IntWork : decode::kInt4VnniValueWork;
+  if (word_values) value_work = decode::kInt8VnniValueWork;
   LineStream ahead;
   // Queues the lines of the block of keys from j (none past ub).
   const auto queue_block = [&](int64_t j) {
@@ -425,58 +438,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
         }
       }
     }
-    // Softcap and ALiBi, mask, then the online softmax of each row (keys in lanes: horizontal
-    // max and sum).
-    for (int64_t r = 0; r < R; ++r) {
-      float* sr = s + r * block;
-      if (p.softcap > 0 || p.alibi) {
-        const int64_t h = rows.head(p, hk, r);
-        const auto cap = hn::Set(d, p.softcap), inv = hn::Set(d, p.softcap > 0 ? 1.0f / p.softcap : 0.0f);
-        const auto slope = hn::Set(d, alibi_slope(p, b, h));
-        // Distances as float, exact below 2^24 keys (as in the prefill kernels).
-        const auto pos = hn::Set(d, static_cast<float>(query_position(p, b, rows.query(p, r)) - j0));
-        for (size_t kv = 0; kv < kBlockVecs; ++kv) {
-          auto x = hn::Load(d, sr + kv * N);
-          if (p.softcap > 0) x = hn::Mul(cap, SoftcapTanh(d, hn::Mul(x, inv)));
-          if (p.alibi) x = hn::NegMulAdd(slope, hn::Abs(hn::Sub(pos, hn::Iota(d, static_cast<float>(kv * N)))), x);
-          hn::Store(x, d, sr + kv * N);
-        }
-      }
-      auto mx = hn::Set(d, kNegInf);
-      const KeyRange& k = seen[r];
-      if (k.covers(j0, j0 + static_cast<int64_t>(block))) {
-        // Every key of the block visible (most blocks): no mask. Masking every block took ~4% of
-        // the cache-resident int8 and int4 steps (docs/benchmarks.md).
-        for (size_t kv = 0; kv < kBlockVecs; ++kv) mx = hn::Max(mx, hn::Load(d, sr + kv * N));
-      } else {
-        // Key indices relative to the block fit int32 lanes whatever the key count (> 2^31 too).
-        const auto lo_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(k.lo - j0, -1, jn) - 1));
-        const auto hi_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(k.hi - j0, -1, jn)));
-        const auto sink_rel = hn::Set(di, static_cast<int32_t>(std::clamp<int64_t>(k.sink_hi - j0, 0, jn)));
-        for (size_t kv = 0; kv < kBlockVecs; ++kv) {
-          const auto j = hn::Iota(di, static_cast<int32_t>(kv * N));
-          const auto vis = hn::Or(hn::And(hn::Lt(lo_rel, j), hn::Lt(j, hi_rel)), hn::Lt(j, sink_rel));
-          const auto x = hn::IfThenElse(hn::RebindMask(d, vis), hn::Load(d, sr + kv * N), hn::Set(d, kNegInf));
-          hn::Store(x, d, sr + kv * N);
-          mx = hn::Max(mx, x);
-        }
-      }
-      const float m_new = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, mx)));
-      // Nothing visible yet: shift by 0, so P = 2^-inf = 0 — but a NaN score still gives NaN
-      // (the horizontal max may have dropped it) and reaches l.
-      const float shift = m_new == kNegInf ? 0.0f : m_new;
-      alpha[r] = m_new == kNegInf ? 1.0f : m[r] == kNegInf ? 0.0f : std::exp2((m[r] - m_new) * kLog2e);
-      auto sum = hn::Zero(d), top = hn::Zero(d);
-      for (size_t kv = 0; kv < kBlockVecs; ++kv) {
-        const auto e = Exp2(d, hn::Mul(hn::Sub(hn::Load(d, sr + kv * N), hn::Set(d, shift)), hn::Set(d, kLog2e)));
-        hn::Store(e, d, sr + kv * N);
-        sum = hn::Add(sum, e);
-        if (byte_values) top = hn::Max(top, e);
-      }
-      if (byte_values) pmax[r] = hn::GetLane(hn::MaxOfLanes(d, top));
-      l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
-      m[r] = m_new;
-    }
+    // Softcap and ALiBi, mask, then the online softmax of each row.
+    decode::BlockSoftmax<kBlockVecs>(d, p, b, hk, rows, R, j0, jn, seen, s, m, l, alpha, int_values ? pmax : nullptr);
     // The block's value rows, found once for every pass below.
     for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
     // A key of the block that a row does not see (a window's first block, a causal last block of
@@ -491,43 +454,66 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       if (pairs) PairWeights(s, R, block, pw);  // int4 values with bfloat16 dot products (Int4Output)
     }
 #endif
-    bool byte_pass = false;  // the block's values taken on byte weights (Int4Output256, Int4OutputVnni)
-#if MHA_DECODE_BYTE_VALUES
-    if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
-      byte_pass = byte_values && decode::ByteValueWeights<Kv>(d, s, block, static_cast<size_t>(R), pmax, vrows,
-                                                             static_cast<size_t>(jn), vgroups, vstage, vbytes, vsteps,
-                                                             vmins);
-      for (size_t c0 = 0; byte_pass && c0 < Dv; c0 += kOutVecs * N) {
+    // The block's values taken on byte or word weights (Int4Output256, Int4OutputVnni,
+    // Int8OutputVnni): pass(rt, c0, nc, r0, i) for each pass of kOutVecs vectors of columns
+    // from c0 (nc of them) and kTileRows rows from r0 (RT = rt of them), i = g·R + r0 the index
+    // of their weights, steps and mins (g = c0 / 32).
+    bool int_pass = false;
+    [[maybe_unused]] const auto integer_passes = [&](const auto& pass) {
+      for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
         const size_t nc = std::min(kOutVecs * N, Dv - c0), g = c0 / kCacheQuantGroup;
         for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
           const size_t i = g * static_cast<size_t>(R) + static_cast<size_t>(r0);
-          WithTileRows(R - r0, [&](auto rt) {
-            constexpr size_t RT = decltype(rt)::value;
-            const uint8_t* u = vbytes + i * block;
-            float* oc = o + r0 * dvp + c0;
-#if HWY_TARGET == HWY_AVX2
-            if (nc == kOutVecs * N) {
-              Int4Output256<RT, true>(u, block, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
-                                      vsteps + i, oc, dvp, ahead);
-            } else {
-              Int4Output256<RT, false>(u, block, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
-                                       vsteps + i, oc, dvp, ahead);
-            }
-#else  // AVX3: two groups a pass
-            Int4OutputVnniCols<RT>(u, block, static_cast<size_t>(R), vrows, c0, nc, static_cast<size_t>(jn),
-                                   alpha + r0, vmins + i, vsteps + i, oc, dvp, ahead);
-#endif
-          });
+          WithTileRows(R - r0, [&](auto rt) { pass(rt, c0, nc, r0, i); });
         }
+      }
+    };
+#if MHA_DECODE_BYTE_VALUES
+    if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
+      int_pass = byte_values && decode::ByteValueWeights<Kv>(d, s, block, static_cast<size_t>(R), pmax, vrows,
+                                                             static_cast<size_t>(jn), vgroups, vstage, vbytes, vsteps,
+                                                             vmins);
+      if (int_pass) {
+        integer_passes([&](auto rt, size_t c0, size_t nc, int64_t r0, size_t i) {
+          constexpr size_t RT = decltype(rt)::value;
+          const uint8_t* u = vbytes + i * block;
+          float* oc = o + r0 * dvp + c0;
+#if HWY_TARGET == HWY_AVX2
+          if (nc == kOutVecs * N) {
+            Int4Output256<RT, true>(u, block, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
+                                    vsteps + i, oc, dvp, ahead);
+          } else {
+            Int4Output256<RT, false>(u, block, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
+                                     vsteps + i, oc, dvp, ahead);
+          }
+#else  // AVX3: two groups a pass
+          Int4OutputVnniCols<RT>(u, block, static_cast<size_t>(R), vrows, c0, nc, static_cast<size_t>(jn), alpha + r0,
+                                 vmins + i, vsteps + i, oc, dvp, ahead);
+#endif
+        });
+      }
+    }
+#endif
+#if MHA_DECODE_WORD_VALUES
+    if constexpr (std::is_same_v<Kv, QuantKv<8>>) {
+      int_pass = word_values && decode::WordValueWeights(d, s, block, static_cast<size_t>(R), pmax, vrows,
+                                                         static_cast<size_t>(jn), vgroups, vstage, vwords, vsteps,
+                                                         vmins);
+      if (int_pass) {
+        integer_passes([&](auto rt, size_t c0, size_t nc, int64_t r0, size_t i) {
+          decode::Int8OutputVnniCols<decltype(rt)::value>(vwords + i * block, block, static_cast<size_t>(R), vrows, c0,
+                                                          nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
+                                                          vsteps + i, o + r0 * dvp + c0, dvp, ahead);
+        });
       }
     }
 #endif
     if constexpr (kFold) {
-      if (!byte_pass)
+      if (!int_pass)
         decode::FoldValueWeights<Kv>(d, s, block, static_cast<size_t>(R), vrows, static_cast<size_t>(jn), vgroups,
                                      vstage, vweights, vmins);
     }
-    for (size_t c0 = 0; !byte_pass && c0 < Dv; c0 += kOutVecs * N) {
+    for (size_t c0 = 0; !int_pass && c0 < Dv; c0 += kOutVecs * N) {
       const size_t nc = std::min(kOutVecs * N, Dv - c0);
       ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
         float* oc = o + r0 * dvp + c0;
@@ -620,7 +606,7 @@ void FlashDecode(const AttentionParams& p, int num_threads) {
 
 // The kernel and, for the cache types with dot-product paths, which one runs on this CPU.
 std::string FlashDecodeName() {
-  std::string keys = "float FMAs", values = "float FMAs", bf16_keys = "widened to float";
+  std::string keys = "float FMAs", int8_values = "float FMAs", values = "float FMAs", bf16_keys = "widened to float";
 #if MHA_DECODE_INT_DOTS
   if (decode_int8_dots()) keys = "AVX2 integer products";
 #endif
@@ -632,8 +618,11 @@ std::string FlashDecodeName() {
   if (decode_bf16_dots()) values = bf16_keys = "AVX-512 BF16 dot products";
   if (decode_vnni_byte_values()) values = "AVX-512 VNNI on byte weights";
 #endif
+#if MHA_DECODE_WORD_VALUES
+  if (decode_vnni_word_values()) int8_values = "AVX-512 VNNI on 16-bit weights";
+#endif
   return std::string("flash_decode_f32_") + hwy::TargetName(HWY_TARGET) + " (int8/int4 keys: " + keys +
-         "; int4 values: " + values + "; bfloat16 keys: " + bf16_keys + ")";
+         "; int8 values: " + int8_values + "; int4 values: " + values + "; bfloat16 keys: " + bf16_keys + ")";
 }
 
 }  // namespace mha::kernels::HWY_NAMESPACE

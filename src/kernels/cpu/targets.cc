@@ -58,6 +58,10 @@ bool decode_vnni_byte_values() {
   return supported && decode_avx512_vnni() && byte_values_allowed.load(std::memory_order_relaxed);
 }
 
+bool decode_vnni_word_values() {
+  return decode_avx512_vnni() && byte_values_allowed.load(std::memory_order_relaxed);
+}
+
 void allow_decode_dot_products(bool allow) { dot_products_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_decode_avx512_vnni(bool allow) { vnni_allowed.store(allow, std::memory_order_relaxed); }

@@ -1,0 +1,158 @@
+// The value pass of the decode kernel (flash_decode.cc) over an int8 cache with AVX-512 VNNI's
+// 16-bit integer products (vpdpwssd), on weights rounded to 16 bits by WordValueWeights: AVX3
+// target, where the CPU has VNNI (decode_vnni_word_values()). MHA_DECODE_WORD_VALUES says whether
+// this target has it. The float pass (DecodeOutput) dequantizes every value in registers, a
+// conversion and an FMA more per value than the products it feeds; here two keys' codes of a
+// column share a 32-bit lane and one instruction adds both products: docs/ARCHITECTURE.md.
+#if defined(MHA_KERNELS_CPU_DECODE_WORDS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MHA_KERNELS_CPU_DECODE_WORDS_INL_H_
+#undef MHA_KERNELS_CPU_DECODE_WORDS_INL_H_
+#else
+#define MHA_KERNELS_CPU_DECODE_WORDS_INL_H_
+#endif
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/decode_block-inl.h"
+#include "kernels/cpu/decode_kv-inl.h"
+#include "kernels/cpu/decode_quant-inl.h"
+#include "kernels/cpu/prefetch.h"
+#include "mha/kv_cache.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace decode {
+
+#undef MHA_DECODE_WORD_VALUES
+#if HWY_TARGET == HWY_AVX3
+
+// The largest weight word, and the most keys a pass sums (a block of the kernel): the int32 sums
+// stay exact, |Σ| ≤ 255·32767 per key.
+constexpr int32_t kWordWeightMax = 32767;
+constexpr size_t kWordPassKeys = 128;
+static_assert(int64_t{kWordPassKeys} * 255 * kWordWeightMax < (int64_t{1} << 31), "a pass's sums must fit int32");
+
+// The weights of Int8OutputVnni for rows r < R (P at pr + r·ldp, the block's keys j < jn) and
+// value groups g < groups: w_j = P_j·scale_g(j) rounded to a multiple of step, u_j = w_j / step,
+// with step the power of two at or above Pmax_r·Smax_g / 32767 (Pmax_r: the row's largest P in
+// the block, from the softmax; Smax_g: the keys' largest scale in the group), so that no word
+// passes 32767: u[(g·R + r)·ldp + j] (zeros from jn up to a whole vector), steps[g·R + r]. A power
+// of two keeps w / step exact. mins[g·R + r] = Σ_j P_j·minimum_g(j). The keys' scales are first
+// transposed into st (as FoldValueWeights does). False where a Pmax is not finite (BlockSoftmax
+// makes it so where a P is not), a scale or a minimum is not finite, or a scale is negative: the
+// float pass then takes the block. steps needs groups · (R + 1). (Centring the codes, as the int4
+// pass does, would halve the worst case of the roundings' effect, 6.0e-4 → 3.3e-4 measured
+// against the float pass, both far below the cache's own error; it took ~5% of the
+// cache-resident step: docs/benchmarks.md.)
+HWY_INLINE bool WordValueWeights(DF d, const float* pr, size_t ldp, size_t R, const float* pmax,
+                                 const QuantKv<8>::Row* vrows, size_t jn, size_t groups, float* HWY_RESTRICT st,
+                                 int16_t* HWY_RESTRICT u, float* steps, float* mins) {
+  using V = hn::Vec<DF>;
+  for (size_t r = 0; r < R; ++r)
+    if (!std::isfinite(pmax[r])) return false;
+  TransposeValueScales<QuantKv<8>>(d, ldp, vrows, jn, groups, st);
+  const size_t N = hn::Lanes(d), jv = (jn + N - 1) / N * N;
+  float* smax = steps + groups * R;
+  if (!ValueScaleMaxima(d, st, ldp, jv, groups, smax)) return false;  // before any weight is written
+  for (size_t g = 0; g < groups; ++g) {
+    const float* scale = st + 2 * g * ldp;
+    const float* minimum = scale + ldp;
+    for (size_t r = 0; r < R; ++r) {
+      const float* p = pr + r * ldp;
+      const size_t i = g * R + r;
+      steps[i] = PowerOfTwoAtOrAbove(pmax[r] * (smax[g] / static_cast<float>(kWordWeightMax)));  // < 2^114
+      const V inv = hn::Set(d, steps[i] > 0.0f ? 1.0f / steps[i] : 0.0f);
+      V m = hn::Zero(d);
+      for (size_t j = 0; j < jv; j += N) {
+        const V pj = hn::Load(d, p + j);
+        const V w = hn::Mul(hn::Mul(pj, hn::Load(d, scale + j)), inv);
+        m = hn::MulAdd(pj, hn::Load(d, minimum + j), m);
+        // At most 32767.5 (P ≤ Pmax, scale ≤ Smax, up to float rounding): saturated to 32767.
+        const __m256i words = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(w.raw));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + i * ldp + j), words);
+      }
+      mins[i] = hn::GetLane(hn::SumOfLanes(d, m));
+    }
+  }
+  return true;
+}
+
+// The value pass over an int8 cache with AVX-512 VNNI, RT rows and the NV vectors of 16 columns
+// from c0 (a multiple of 64: groups c0 / 32 and, for NV > 2, the next): O = alpha·O + mins +
+// Σ_j step·u_j·code_j per group, on WordValueWeights's words u, steps and mins (a row's at +1, a
+// group's at +ldg, words of a row ldu apart). Keys by pairs: the two keys' 32 bytes of a group
+// interleaved (vpunpcklbw / vpunpckhbw) and widened to words, so that each 32-bit lane holds a
+// column's two codes, and vpdpwssd adds the two products code × word into the column's lane: 32
+// products per instruction and no conversion, where the float pass converts each code and
+// dequantizes it before its FMAs. The interleave leaves a group's columns in the two sums as 0-7,
+// 16-23 | 8-15, 24-31 (by 128-bit lanes: 0-3, 4-7, 16-19, 20-23); the flush puts them back in
+// order. The sums stay exact in int32 over a block, then are converted and added into O in float,
+// times the step, once.
+template <size_t RT, size_t NV>
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void Int8OutputVnni(
+    const int16_t* u, size_t ldu, size_t ldg, const QuantKv<8>::Row* vrows, size_t c0, size_t jn,
+    const float* alpha, const float* mins, const float* steps, float* o, size_t ldo, LineStream& ahead) {
+  static_assert(kCacheQuantGroup == 32 && NV <= 4, "a group is two vectors of 16 columns; two groups a pass");
+  constexpr size_t NG = (NV + 1) / 2;  // groups of the pass
+  ScaleAndAddMins<RT, NV>(alpha, mins, ldg, o, ldo);
+  __m512i acc[RT][2 * NG];
+  for (size_t r = 0; r < RT; ++r)
+    for (size_t c = 0; c < 2 * NG; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (size_t j = 0; j < jn; j += 2) {  // u holds zeros from jn up to a whole vector
+    ahead.Issue(kInt8VnniValueWork * 2 * RT * NV * 16);
+    const uint8_t* p0 = QuantKv<8>::Columns(vrows[j], c0).codes;
+    const uint8_t* p1 = QuantKv<8>::Columns(vrows[std::min(j + 1, jn - 1)], c0).codes;  // past jn: weighted 0
+    __m512i x[2 * NG];
+    for (size_t g = 0; g < NG; ++g) {  // rows hold whole groups: 32 bytes each
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * g));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 32 * g));
+      x[2 * g] = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(a, b));
+      x[2 * g + 1] = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(a, b));
+    }
+    for (size_t r = 0; r < RT; ++r)
+      for (size_t g = 0; g < NG; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, u + g * ldg * ldu + r * ldu + j, sizeof(pair));
+        const __m512i wv = _mm512_set1_epi32(pair);
+        acc[r][2 * g] = _mm512_dpwssd_epi32(acc[r][2 * g], x[2 * g], wv);
+        acc[r][2 * g + 1] = _mm512_dpwssd_epi32(acc[r][2 * g + 1], x[2 * g + 1], wv);
+      }
+  }
+  for (size_t r = 0; r < RT; ++r)
+    for (size_t c = 0; c < NV; ++c) {
+      const __m512i lo = acc[r][c / 2 * 2], hi = acc[r][c / 2 * 2 + 1];
+      // Columns 0-15 of the group: 128-bit lanes 0, 1 of both sums; 16-31: lanes 2, 3.
+      const __m512i sum = c % 2 == 0 ? _mm512_shuffle_i64x2(lo, hi, 0x44) : _mm512_shuffle_i64x2(lo, hi, 0xEE);
+      float* out = o + r * ldo + c * 16;
+      const __m512 st = _mm512_set1_ps(steps[c / 2 * ldg + r]);
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), st, _mm512_loadu_ps(out)));
+    }
+}
+
+// Int8OutputVnni for the columns [c0, c0 + ncols) of a pass (ncols ≤ 64): NV = its vectors.
+template <size_t RT>
+void Int8OutputVnniCols(const int16_t* u, size_t ldu, size_t ldg, const QuantKv<8>::Row* vrows, size_t c0,
+                        size_t ncols, size_t jn, const float* alpha, const float* mins, const float* steps, float* o,
+                        size_t ldo, LineStream& ahead) {
+  switch ((ncols + 15) / 16) {
+    case 1: Int8OutputVnni<RT, 1>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
+    case 2: Int8OutputVnni<RT, 2>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
+    case 3: Int8OutputVnni<RT, 3>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
+    default: Int8OutputVnni<RT, 4>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
+  }
+}
+
+#define MHA_DECODE_WORD_VALUES 1
+#else
+#define MHA_DECODE_WORD_VALUES 0
+#endif
+
+}  // namespace decode
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MHA_KERNELS_CPU_DECODE_WORDS_INL_H_
