@@ -274,10 +274,9 @@ HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv
 
 // The online softmax of a block of keys from j0 (jn of them; the scores past jn are -inf) for
 // rows r < R, scores in place at s + r·block, block = kVecs·N (keys in the lanes: horizontal max
-// and sum):
-// softcap and ALiBi, the mask of each row's visible keys (seen[r]; skipped where the row sees
-// the whole block), then P = exp(S − m_new) in place, alpha[r] = exp(m_old − m_new), and m, l
-// updated. pmax (unless null): each row's largest P of the block, for the integer value passes'
+// and sum): softcap and ALiBi, the mask of each row's visible keys (seen[r]; skipped where the
+// row sees the whole block), then P = exp(S − m_new) in place, alpha[r] = exp(m_old − m_new),
+// and m, l updated. pmax (unless null): each row's largest P of the block, for the integer value passes'
 // weights; not finite where a P is not (a score of +inf or NaN: it shows in the sum, where the
 // max may drop a NaN), which gives the block to the float pass.
 template <size_t kVecs>
