@@ -33,6 +33,58 @@ namespace mha::kernels::HWY_NAMESPACE {
 namespace decode {
 
 constexpr size_t kOutVecs = 4;  // value columns per output pass: 4 vectors (DecodeOutputCols)
+constexpr int64_t kTileRows = 4;  // query rows per pass over a key tile (TileScores) or an integer value pass
+#if HWY_TARGET <= HWY_AVX3
+constexpr size_t kRowGroup = 6;   // query rows per float output pass: 6 rows × 4 vectors = 24 accumulators
+#else
+constexpr size_t kRowGroup = 2;   // 8 accumulators of 16 registers
+#endif
+
+template <class F>
+HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
+  for (size_t r0 = 0; r0 < rows; r0 += kRowGroup) f(r0, std::min(kRowGroup, rows - r0));
+}
+
+// The passes take their counts of rows and of vectors as template arguments (their accumulators
+// are arrays of registers). These call f(std::integral_constant<size_t, n>()) for a count found
+// at run time: WithRowGroup for n = rg, 1 ... kRowGroup (as ForRowGroups gives them);
+// WithTileRows for n = min(rows, kTileRows); WithPassVectors for n = min(nv, kOutVecs), nv ≥ 1.
+template <class F>
+HWY_INLINE void WithRowGroup(size_t rg, const F& f) {
+  static_assert(kRowGroup == (HWY_TARGET <= HWY_AVX3 ? 6 : 2), "a case for each row count up to kRowGroup");
+  switch (rg) {
+    case 1: f(std::integral_constant<size_t, 1>()); break;
+#if HWY_TARGET <= HWY_AVX3
+    case 2: f(std::integral_constant<size_t, 2>()); break;
+    case 3: f(std::integral_constant<size_t, 3>()); break;
+    case 4: f(std::integral_constant<size_t, 4>()); break;
+    case 5: f(std::integral_constant<size_t, 5>()); break;
+#endif
+    default: f(std::integral_constant<size_t, kRowGroup>()); break;
+  }
+}
+
+template <class F>
+HWY_INLINE void WithTileRows(int64_t rows, const F& f) {
+  static_assert(kTileRows == 4, "a case for each row count up to kTileRows");
+  switch (std::min<int64_t>(kTileRows, rows)) {
+    case 1: f(std::integral_constant<size_t, 1>()); break;
+    case 2: f(std::integral_constant<size_t, 2>()); break;
+    case 3: f(std::integral_constant<size_t, 3>()); break;
+    default: f(std::integral_constant<size_t, kTileRows>()); break;
+  }
+}
+
+template <class F>
+HWY_INLINE void WithPassVectors(size_t nv, const F& f) {
+  static_assert(kOutVecs == 4, "a case for each vector count up to kOutVecs");
+  switch (nv) {
+    case 1: f(std::integral_constant<size_t, 1>()); break;
+    case 2: f(std::integral_constant<size_t, 2>()); break;
+    case 3: f(std::integral_constant<size_t, 3>()); break;
+    default: f(std::integral_constant<size_t, kOutVecs>()); break;
+  }
+}
 
 // S[r][x] for one row and N keys widened or dequantized into the stage (16-bit and quantized
 // keys: each key is converted once, not once per query row; measured at GQA 32/8, 256 MiB: int8
@@ -116,6 +168,20 @@ inline float PowerOfTwoAtOrAbove(float bound) {
   float step;
   std::memcpy(&step, &bits, sizeof step);
   return step;
+}
+
+// O = alpha·O + mins for RT rows and NV vectors of columns (a group's mins at +ldg, the rows' at
+// +1): where the integer value passes (Int4OutputVnni, Int8OutputVnni) start.
+template <size_t RT, size_t NV>
+HWY_INLINE void ScaleAndAddMins(DF d, const float* alpha, const float* mins, size_t ldg, float* o, size_t ldo) {
+  const size_t N = hn::Lanes(d), group_vecs = static_cast<size_t>(kCacheQuantGroup) / N;
+  for (size_t r = 0; r < RT; ++r) {
+    const auto a = hn::Set(d, alpha[r]);
+    for (size_t c = 0; c < NV; ++c) {
+      float* out = o + r * ldo + c * N;
+      hn::StoreU(hn::MulAdd(hn::LoadU(d, out), a, hn::Set(d, mins[c / group_vecs * ldg + r])), d, out);
+    }
+  }
 }
 
 template <class Kv>
@@ -259,17 +325,14 @@ HWY_INLINE void DecodeOutputCols(DF d, const float* pr, size_t ldp, const Kv& kv
                                  LineStream& ahead, const float* mins) {
   const size_t N = hn::Lanes(d), nv = (ncols + N - 1) / N;
   const bool tail = ncols % N != 0;
-#define MHA_DECODE_OUTPUT(NV)                                                                            \
-  tail ? DecodeOutput<RG, NV, true>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, ahead, mins) \
-       : DecodeOutput<RG, NV, false>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, ahead, mins)
-  static_assert(kOutVecs == 4, "a case for each vector count up to kOutVecs");
-  switch (nv) {
-    case 1: MHA_DECODE_OUTPUT(1); break;
-    case 2: MHA_DECODE_OUTPUT(2); break;
-    case 3: MHA_DECODE_OUTPUT(3); break;
-    default: MHA_DECODE_OUTPUT(kOutVecs); break;
-  }
-#undef MHA_DECODE_OUTPUT
+  WithPassVectors(nv, [&](auto v) {
+    constexpr size_t NV = decltype(v)::value;
+    if (tail) {
+      DecodeOutput<RG, NV, true>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, ahead, mins);
+    } else {
+      DecodeOutput<RG, NV, false>(d, pr, ldp, kv, vrows, c0, ncols, jn, alpha, o, ldo, ahead, mins);
+    }
+  });
 }
 
 // The online softmax of a block of keys from j0 (jn of them; the scores past jn are -inf) for

@@ -9,12 +9,12 @@
 // Each K/V byte is read from memory once per step; 16-bit K and V are widened and int8/int4
 // cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h; the scores of N keys,
 // the block's online softmax and the output pass over a block: decode_block-inl.h; int8/int4 keys
-// by tiles, int4 values and bfloat16 keys with dot products: decode_quant-inl.h; int8 values
-// with dot products: decode_words-inl.h). This file runs the blocks of a chunk (prefetches, the
-// passes each block takes) and the chunks as tasks. The keys of a (batch, kv head) may
-// be cut into S chunks (S depends on the shape alone, never on threads) that run as separate
-// tasks; their partial (O, m, l) are merged in chunk order through their log-sum-exp
-// (decode_merge-inl.h), so the result has the same bits for any thread count.
+// by tiles and bfloat16 keys with dot products: decode_quant-inl.h; int4 and int8 values with
+// dot products: decode_int4_values-inl.h, decode_int8_values-inl.h). This file runs the blocks of
+// a chunk (prefetches, the passes each block takes) and the chunks as tasks. The keys of a
+// (batch, kv head) may be cut into S chunks (S depends on the shape alone, never on threads)
+// that run as separate tasks; their partial (O, m, l) are merged in chunk order through their
+// log-sum-exp (decode_merge-inl.h), so the result has the same bits for any thread count.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_decode.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -28,8 +28,9 @@
 #include "kernels/cpu/decode_block-inl.h"
 #include "kernels/cpu/decode_kv-inl.h"
 #include "kernels/cpu/decode_merge-inl.h"
+#include "kernels/cpu/decode_int4_values-inl.h"
+#include "kernels/cpu/decode_int8_values-inl.h"
 #include "kernels/cpu/decode_quant-inl.h"
-#include "kernels/cpu/decode_words-inl.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/transpose-inl.h"
@@ -48,13 +49,18 @@ using decode::DecodeRows;
 using decode::DotScores;
 using decode::kLog2e;
 using decode::kNegInf;
+using decode::ForRowGroups;
 using decode::kOutVecs;
+using decode::kTileRows;
 using decode::LoadQueryRow;
 using decode::Merge;
 using decode::PlainKv;
 using decode::QuantKv;
 using decode::StagedScores;
 using decode::TileScores;
+using decode::WithPassVectors;
+using decode::WithRowGroup;
+using decode::WithTileRows;
 #if MHA_DECODE_INT_DOTS
 using decode::QueryDots;
 using decode::QueryForm;
@@ -78,12 +84,6 @@ using decode::TileDots;
 // int8 steps ~7% below 4 vectors' (docs/benchmarks.md); 16 were slower again.
 constexpr size_t kBlockVecs = 8;
 constexpr int64_t kMaxChunkKeys = int64_t{1} << 16;  // keys per chunk at most (a multiple of any block)
-constexpr int64_t kTileRows = 4;  // query rows per pass over a key tile (TileScores)
-#if HWY_TARGET <= HWY_AVX3
-constexpr size_t kRowGroup = 6;   // 6 rows × 4 vectors = 24 accumulators
-#else
-constexpr size_t kRowGroup = 2;   // 8 accumulators of 16 registers
-#endif
 
 struct Split {
   int64_t parts;       // chunks per (b, kv head)
@@ -102,67 +102,6 @@ Split ChooseSplit(const AttentionParams& p, size_t block) {
   chunk = (chunk + static_cast<int64_t>(block) - 1) / static_cast<int64_t>(block) * static_cast<int64_t>(block);
   parts = chunk > 0 ? (p.kv_len + chunk - 1) / chunk : 1;
   return {std::max<int64_t>(parts, 1), std::max<int64_t>(chunk, static_cast<int64_t>(block))};
-}
-
-#if MHA_DECODE_DOTS
-template <size_t RG>
-void Int4OutputCols(const uint32_t* pw, size_t ldw, const QuantKv<4>::Row* vrows, size_t c0,
-                    size_t ncols, size_t jn, const float* alpha, float* o, size_t ldo, LineStream& ahead) {
-  static_assert(kOutVecs == 4, "a case for each vector count up to kOutVecs");
-  switch ((ncols + 15) / 16) {
-    case 1: Int4Output<RG, 1>(pw, ldw, vrows, c0, jn, alpha, o, ldo, ahead); break;
-    case 2: Int4Output<RG, 2>(pw, ldw, vrows, c0, jn, alpha, o, ldo, ahead); break;
-    case 3: Int4Output<RG, 3>(pw, ldw, vrows, c0, jn, alpha, o, ldo, ahead); break;
-    default: Int4Output<RG, kOutVecs>(pw, ldw, vrows, c0, jn, alpha, o, ldo, ahead); break;
-  }
-}
-
-template <size_t RT>
-void Int4OutputVnniCols(const uint8_t* u, size_t ldu, size_t ldg, const QuantKv<4>::Row* vrows,
-                        size_t c0, size_t ncols, size_t jn, const float* alpha, const float* mins, const float* steps,
-                        float* o, size_t ldo, LineStream& ahead) {
-  switch ((ncols + 15) / 16) {
-    case 1: Int4OutputVnni<RT, 1>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
-    case 2: Int4OutputVnni<RT, 2>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
-    case 3: Int4OutputVnni<RT, 3>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
-    default: Int4OutputVnni<RT, kOutVecs>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
-  }
-}
-#endif
-
-template <class F>
-HWY_INLINE void ForRowGroups(size_t rows, const F& f) {
-  for (size_t r0 = 0; r0 < rows; r0 += kRowGroup) f(r0, std::min(kRowGroup, rows - r0));
-}
-
-// f(std::integral_constant<size_t, RG>()) for RG = rg (1 ... kRowGroup, as ForRowGroups gives
-// them): the output passes take their row count as a template argument.
-template <class F>
-HWY_INLINE void WithRowGroup(size_t rg, const F& f) {
-  static_assert(kRowGroup == (HWY_TARGET <= HWY_AVX3 ? 6 : 2), "a case for each row count up to kRowGroup");
-  switch (rg) {
-    case 1: f(std::integral_constant<size_t, 1>()); break;
-#if HWY_TARGET <= HWY_AVX3
-    case 2: f(std::integral_constant<size_t, 2>()); break;
-    case 3: f(std::integral_constant<size_t, 3>()); break;
-    case 4: f(std::integral_constant<size_t, 4>()); break;
-    case 5: f(std::integral_constant<size_t, 5>()); break;
-#endif
-    default: f(std::integral_constant<size_t, kRowGroup>()); break;
-  }
-}
-
-// f(std::integral_constant<size_t, RT>()) for RT = min(rows, kTileRows): the key tile kernels
-// take their row count as a template argument (their accumulators are arrays of RT registers).
-template <class F>
-HWY_INLINE void WithTileRows(int64_t rows, const F& f) {
-  static_assert(kTileRows == 4, "a case for each row count up to kTileRows");
-  switch (std::min<int64_t>(kTileRows, rows)) {
-    case 1: f(std::integral_constant<size_t, 1>()); break;
-    case 2: f(std::integral_constant<size_t, 2>()); break;
-    case 3: f(std::integral_constant<size_t, 3>()); break;
-    default: f(std::integral_constant<size_t, kTileRows>()); break;
-  }
 }
 
 // Partial attention of rows of (b, hk) over keys [k0, k1): unnormalised O (rows × dvp), m, l.
@@ -487,8 +426,11 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
                                      vsteps + i, oc, dvp, ahead);
           }
 #else  // AVX3: two groups a pass
-          Int4OutputVnniCols<RT>(u, block, static_cast<size_t>(R), vrows, c0, nc, static_cast<size_t>(jn), alpha + r0,
-                                 vmins + i, vsteps + i, oc, dvp, ahead);
+          WithPassVectors((nc + N - 1) / N, [&](auto nv) {
+            Int4OutputVnni<RT, decltype(nv)::value>(u, block, static_cast<size_t>(R), vrows, c0,
+                                                     static_cast<size_t>(jn), alpha + r0, vmins + i, vsteps + i, oc,
+                                                     dvp, ahead);
+          });
 #endif
         });
       }
@@ -501,9 +443,11 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
                                                          vmins);
       if (int_pass) {
         integer_passes([&](auto rt, size_t c0, size_t nc, int64_t r0, size_t i) {
-          decode::Int8OutputVnniCols<decltype(rt)::value>(vwords + i * block, block, static_cast<size_t>(R), vrows, c0,
-                                                          nc, static_cast<size_t>(jn), alpha + r0, vmins + i,
-                                                          vsteps + i, o + r0 * dvp + c0, dvp, ahead);
+          WithPassVectors((nc + N - 1) / N, [&](auto nv) {
+            decode::Int8OutputVnni<decltype(rt)::value, decltype(nv)::value>(
+                vwords + i * block, block, static_cast<size_t>(R), vrows, c0, static_cast<size_t>(jn), alpha + r0,
+                vmins + i, vsteps + i, o + r0 * dvp + c0, dvp, ahead);
+          });
         });
       }
     }
@@ -529,8 +473,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           if (pairs) {
             const uint32_t* w = pw + r0 * block / 2;
             WithRowGroup(rg, [&](auto g) {
-              Int4OutputCols<decltype(g)::value>(w, block / 2, vrows, c0, nc, static_cast<size_t>(jn), alpha + r0,
-                                                  oc, dvp, ahead);
+              WithPassVectors((nc + N - 1) / N, [&](auto nv) {
+                Int4Output<decltype(g)::value, decltype(nv)::value>(w, block / 2, vrows, c0, static_cast<size_t>(jn),
+                                                                    alpha + r0, oc, dvp, ahead);
+              });
             });
             return;
           }

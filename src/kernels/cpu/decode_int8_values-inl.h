@@ -4,13 +4,14 @@
 // this target has it. The float pass (DecodeOutput) dequantizes every value in registers, a
 // conversion and an FMA more per value than the products it feeds; here two keys' codes of a
 // column share a 32-bit lane and one instruction adds both products: docs/ARCHITECTURE.md.
-#if defined(MHA_KERNELS_CPU_DECODE_WORDS_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef MHA_KERNELS_CPU_DECODE_WORDS_INL_H_
-#undef MHA_KERNELS_CPU_DECODE_WORDS_INL_H_
+#if defined(MHA_KERNELS_CPU_DECODE_INT8_VALUES_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MHA_KERNELS_CPU_DECODE_INT8_VALUES_INL_H_
+#undef MHA_KERNELS_CPU_DECODE_INT8_VALUES_INL_H_
 #else
-#define MHA_KERNELS_CPU_DECODE_WORDS_INL_H_
+#define MHA_KERNELS_CPU_DECODE_INT8_VALUES_INL_H_
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -19,7 +20,6 @@
 #include "hwy/highway.h"
 #include "kernels/cpu/decode_block-inl.h"
 #include "kernels/cpu/decode_kv-inl.h"
-#include "kernels/cpu/decode_quant-inl.h"
 #include "kernels/cpu/prefetch.h"
 #include "mha/kv_cache.h"
 
@@ -98,7 +98,7 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void Int8OutputVnni(
     const float* alpha, const float* mins, const float* steps, float* o, size_t ldo, LineStream& ahead) {
   static_assert(kCacheQuantGroup == 32 && NV <= 4, "a group is two vectors of 16 columns; two groups a pass");
   constexpr size_t NG = (NV + 1) / 2;  // groups of the pass
-  ScaleAndAddMins<RT, NV>(alpha, mins, ldg, o, ldo);
+  ScaleAndAddMins<RT, NV>(DF(), alpha, mins, ldg, o, ldo);
   __m512i acc[RT][2 * NG];
   for (size_t r = 0; r < RT; ++r)
     for (size_t c = 0; c < 2 * NG; ++c) acc[r][c] = _mm512_setzero_si512();
@@ -133,19 +133,6 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void Int8OutputVnni(
     }
 }
 
-// Int8OutputVnni for the columns [c0, c0 + ncols) of a pass (ncols ≤ 64): NV = its vectors.
-template <size_t RT>
-void Int8OutputVnniCols(const int16_t* u, size_t ldu, size_t ldg, const QuantKv<8>::Row* vrows, size_t c0,
-                        size_t ncols, size_t jn, const float* alpha, const float* mins, const float* steps, float* o,
-                        size_t ldo, LineStream& ahead) {
-  switch ((ncols + 15) / 16) {
-    case 1: Int8OutputVnni<RT, 1>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
-    case 2: Int8OutputVnni<RT, 2>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
-    case 3: Int8OutputVnni<RT, 3>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
-    default: Int8OutputVnni<RT, 4>(u, ldu, ldg, vrows, c0, jn, alpha, mins, steps, o, ldo, ahead); break;
-  }
-}
-
 #define MHA_DECODE_WORD_VALUES 1
 #else
 #define MHA_DECODE_WORD_VALUES 0
@@ -155,4 +142,4 @@ void Int8OutputVnniCols(const int16_t* u, size_t ldu, size_t ldg, const QuantKv<
 }  // namespace mha::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
-#endif  // MHA_KERNELS_CPU_DECODE_WORDS_INL_H_
+#endif  // MHA_KERNELS_CPU_DECODE_INT8_VALUES_INL_H_
