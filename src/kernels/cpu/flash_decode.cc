@@ -26,10 +26,10 @@
 
 #include "hwy/highway.h"
 #include "kernels/cpu/decode_block-inl.h"
-#include "kernels/cpu/decode_kv-inl.h"
-#include "kernels/cpu/decode_merge-inl.h"
 #include "kernels/cpu/decode_int4_values-inl.h"
 #include "kernels/cpu/decode_int8_values-inl.h"
+#include "kernels/cpu/decode_kv-inl.h"
+#include "kernels/cpu/decode_merge-inl.h"
 #include "kernels/cpu/decode_quant-inl.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash.h"
@@ -47,9 +47,9 @@ using DF = hn::ScalableTag<float>;
 using decode::DecodeOutputCols;
 using decode::DecodeRows;
 using decode::DotScores;
+using decode::ForRowGroups;
 using decode::kLog2e;
 using decode::kNegInf;
-using decode::ForRowGroups;
 using decode::kOutVecs;
 using decode::kTileRows;
 using decode::LoadQueryRow;
