@@ -502,9 +502,10 @@ void expect_dots_near_float_path(const Problem& p) {
   }
 }
 
-TEST(HalfDecode, Bf16DotScoresStayWithinFloat32Sums) {
-  if (!kernels::decode_bf16_dots()) GTEST_SKIP() << "this CPU has no AVX-512 BF16: the float path alone runs";
-  Rng rng(base_seed() + 130);
+// The decode kernel's bfloat16 dot products against its float path (expect_dots_near_float_path)
+// over head dims, groups and key counts around the tiles, and on special values.
+void expect_bf16_dots_near_float_path(uint64_t seed) {
+  Rng rng(seed);
   for (int64_t D : {8, 20, 32, 33, 64, 100, 128})
     for (int64_t G : {1, 4, 16})
       for (int64_t Tk : {1, 15, 17, 129, 300}) {
@@ -549,6 +550,20 @@ TEST(HalfDecode, Bf16DotScoresStayWithinFloat32Sums) {
   EXPECT_TRUE(bitwise_equal(dots.out, plain.out));
   EXPECT_TRUE(bitwise_equal(dots.lse, plain.lse));
   for (int64_t i = 0; i < dots.lse.numel(); ++i) EXPECT_TRUE(std::isfinite(dots.lse.data<float>()[i]));
+}
+
+TEST(HalfDecode, Bf16DotScoresStayWithinFloat32Sums) {
+  if (!kernels::decode_bf16_dots()) GTEST_SKIP() << "this CPU has no AVX-512 BF16: the float path alone runs";
+  // Both paths where the CPU has AMX: its tiles (head dims 32, 64 and 128 here; vdpbf16ps for the
+  // others and for a partial tile of keys) and vdpbf16ps alone.
+  const RestoreKernelSwitches restore;
+  std::vector<bool> amx_paths{false};
+  if (kernels::decode_amx_bf16()) amx_paths.push_back(true);
+  for (const bool amx : amx_paths) {
+    SCOPED_TRACE(amx ? "AMX tiles" : "vdpbf16ps");
+    kernels::allow_decode_amx(amx);
+    expect_bf16_dots_near_float_path(base_seed() + 130);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, HalfTest,

@@ -20,6 +20,7 @@ void restore_kernel_switches() {
   kernels::allow_decode_dot_products(true);
   kernels::allow_decode_avx512_vnni(true);
   kernels::allow_decode_byte_values(true);
+  kernels::allow_decode_amx(true);
 }
 
 bool int8_values_rounded() {

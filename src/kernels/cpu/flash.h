@@ -43,6 +43,12 @@ bool decode_avx512_vnni();
 bool decode_bf16_dots();
 void allow_decode_dot_products(bool allow);
 void allow_decode_avx512_vnni(bool allow);
+// Whether the AVX3 target scores bfloat16 keys with AMX's tile products (AmxBf16Scores, in place
+// of Bf16Scores' vdpbf16ps, for head dims of 32, 64, 96 and 128): where the CPU has AMX-BF16, the
+// OS grants the tile state, and bfloat16 dot products are allowed, unless turned off (tests check
+// both paths so).
+bool decode_amx_bf16();
+void allow_decode_amx(bool allow);
 // Whether the AVX2 target reads an int4 cache's values with 8-bit integer products on weights
 // rounded to bytes (Int4Output256), where the CPU has AVX2 and dot products are allowed: tests
 // turn it off alone (on both targets) to check the integer key products exactly.

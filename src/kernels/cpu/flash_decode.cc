@@ -22,9 +22,11 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 
 #include "hwy/highway.h"
+#include "kernels/cpu/decode_amx-inl.h"
 #include "kernels/cpu/decode_block-inl.h"
 #include "kernels/cpu/decode_int4_values-inl.h"
 #include "kernels/cpu/decode_int8_values-inl.h"
@@ -71,7 +73,6 @@ using decode::TileDots256;
 using decode::Int4Output256;
 #endif
 #if MHA_DECODE_DOTS
-using decode::Bf16Scores;
 using decode::Int4Output;
 using decode::Int4OutputVnni;
 using decode::PairWeights;
@@ -207,6 +208,15 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     for (int64_t r = 0; r < R; ++r)
       for (size_t c = 0; c < D; ++c) qs[r * static_cast<int64_t>(ldq) + c] *= p.scale;
   }
+  // bfloat16 keys with AMX's tile products where the CPU has them (AmxBf16Scores): the tile
+  // state is held for the chunk, with the query's tiles loaded once.
+  const bool amx_keys = bf16_keys && decode::AmxDepth(depth) && decode_amx_bf16();
+  alignas(64) uint32_t qt[kMaxDecodeRows * decode::kAmxMaxDepth / 2];
+  std::optional<decode::AmxTiles> tiles;
+  if (amx_keys) {
+    decode::AmxQueryTiles(qb, ldb, R, depth, qt);
+    tiles.emplace(R, depth, qt);
+  }
   // int4 values with bfloat16 dot products where the CPU has them (Int4Output), unless they are
   // taken on byte weights by VNNI (Int4OutputVnni, below).
   const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots() && !decode_vnni_byte_values();
@@ -264,6 +274,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   uint64_t score_work = decode::kFloatWork, value_work = decode::kFloatWork;
 #if MHA_DECODE_INT_DOTS
   if (dots) score_work = vnni ? decode::kVnniWork : decode::kAvx2IntWork;
+#endif
+#if MHA_DECODE_DOTS
+  if (amx_keys) score_work = decode::kAmxWork;
 #endif
   if (byte_values) value_work = HWY_TARGET == HWY_AVX2 ? decode::kAvx2IntWork : decode::kInt4VnniValueWork;
   if (word_values) value_work = decode::kInt8VnniValueWork;
@@ -350,8 +363,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           if (bf16_keys) {
             // Rows with a score that is not finite (an Inf or NaN key, a sum past the float range)
             // take the float path's scores for these keys: Inf and NaN land where they land there.
-            uint32_t redo =
-                Bf16Scores(qb, ldb, R, krows, depth, p.scale, s + static_cast<int64_t>(kb * N), block, ahead);
+            uint32_t redo = decode::Bf16KeyScores(amx_keys, qb, ldb, R, krows, depth, p.scale,
+                                                  s + static_cast<int64_t>(kb * N), block, ahead);
             for (int64_t r = 0; redo != 0; ++r, redo >>= 1) {
               if (!(redo & 1)) continue;
               const auto sc = tail ? DotScores<true>(d, qs + r * ldq, kv, krows, depth)
@@ -562,6 +575,7 @@ std::string FlashDecodeName() {
 #if MHA_DECODE_DOTS
   if (decode_avx512_vnni()) keys = "AVX-512 VNNI";
   if (decode_bf16_dots()) values = bf16_keys = "AVX-512 BF16 dot products";
+  if (decode_amx_bf16()) bf16_keys = "AMX tiles (head dims 32, 64, 96, 128; else AVX-512 BF16 dot products)";
   if (decode_vnni_byte_values()) values = "AVX-512 VNNI on byte weights";
 #endif
 #if MHA_DECODE_WORD_VALUES

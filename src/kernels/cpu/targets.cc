@@ -5,6 +5,11 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "kernels/cpu/flash.h"
 #include "util/check.h"
 
@@ -20,6 +25,19 @@ namespace {
 std::atomic<bool> dot_products_allowed{true};
 std::atomic<bool> vnni_allowed{true};
 std::atomic<bool> byte_values_allowed{true};
+std::atomic<bool> amx_allowed{true};
+
+// Whether the OS lets this process use AMX's tile data: Linux asks for it once per process
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; the kernel then saves the tiles with a
+// thread's state). False elsewhere.
+bool amx_tile_data_granted() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
+#else
+  return false;
+#endif
+}
 }  // namespace
 
 // __builtin_cpu_supports takes a string literal, hence a macro; false off x86.
@@ -47,6 +65,15 @@ bool decode_bf16_dots() {
   return supported && dot_products_allowed.load(std::memory_order_relaxed);
 }
 
+bool decode_amx_bf16() {
+  if (!amx_allowed.load(std::memory_order_relaxed) || !decode_bf16_dots()) return false;
+  // Asked on first need only: allow_decode_amx(false) before it keeps the process's permissions
+  // as they were.
+  static const bool supported =
+      MHA_CPU_SUPPORTS("amx-tile") && MHA_CPU_SUPPORTS("amx-bf16") && amx_tile_data_granted();
+  return supported;
+}
+
 bool decode_byte_values() {
   static const bool supported = MHA_CPU_SUPPORTS("avx2");
   return supported && dot_products_allowed.load(std::memory_order_relaxed) &&
@@ -67,6 +94,8 @@ void allow_decode_dot_products(bool allow) { dot_products_allowed.store(allow, s
 void allow_decode_avx512_vnni(bool allow) { vnni_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_decode_byte_values(bool allow) { byte_values_allowed.store(allow, std::memory_order_relaxed); }
+
+void allow_decode_amx(bool allow) { amx_allowed.store(allow, std::memory_order_relaxed); }
 
 void force_simd_target(const std::string& name) {
   if (name.empty()) {

@@ -1,0 +1,162 @@
+// bfloat16 keys scored with AMX (Intel's tile matrix multiply, TDPBF16PS) in the decode kernel
+// (flash_decode.cc): AVX3 target (with MHA_DECODE_DOTS), where the CPU has AMX-BF16 and the OS
+// grants the tile state (decode_amx_bf16()). Bf16Scores (decode_quant-inl.h) takes the same
+// products with vdpbf16ps, a row at a time, and sums each key's 16 lanes; on the Xeon that
+// measured this, vdpbf16ps ran at a quarter of the FMAs' instruction rate and the scores took
+// half of the cache-resident bfloat16 step. Here one tile product takes 16 keys × 32 channels
+// against every query row: S^T (16 keys × R) += K (16 keys × 32 channels, loaded from the cache
+// rows as they are) · Q^T (16 channel pairs × R, the query's words transposed once per chunk by
+// AmxQueryTiles), and the sums need no horizontal adds. The intrinsics need their own target
+// (Highway 1.0 has no tile ops): docs/ARCHITECTURE.md.
+#if defined(MHA_KERNELS_CPU_DECODE_AMX_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MHA_KERNELS_CPU_DECODE_AMX_INL_H_
+#undef MHA_KERNELS_CPU_DECODE_AMX_INL_H_
+#else
+#define MHA_KERNELS_CPU_DECODE_AMX_INL_H_
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/decode_kv-inl.h"
+#include "kernels/cpu/decode_quant-inl.h"
+#include "kernels/cpu/flash.h"
+#include "kernels/cpu/prefetch.h"
+#include "mha/half.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace decode {
+
+#if HWY_TARGET == HWY_AVX3  // as MHA_DECODE_DOTS
+
+// Tiles: 0 the scores (16 keys × R floats), 1-3 the keys (16 keys × 32 channels, tile 1 again
+// for a fourth 32), 4-7 the query (16 channel pairs × R dwords each): head dims of 32, 64, 96 and
+// 128 (AmxDepth).
+constexpr size_t kAmxMaxDepth = 128;
+constexpr bool AmxDepth(size_t depth) { return depth % 32 == 0 && depth > 0 && depth <= kAmxMaxDepth; }
+
+// The tile configuration (palette 1): a tile's rows and bytes per row.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The query rows' bfloat16 words (QueryBf16: row r's dword c at qw[r·ldw + c], channels 2c and
+// 2c + 1) as the tiles' layout: qt[c·R + r], for c < depth / 2.
+inline void AmxQueryTiles(const uint32_t* qw, size_t ldw, int64_t R, size_t depth, uint32_t* qt) {
+  for (size_t c = 0; c < depth / 2; ++c)
+    for (int64_t r = 0; r < R; ++r) qt[c * static_cast<size_t>(R) + static_cast<size_t>(r)] = qw[r * static_cast<int64_t>(ldw) + static_cast<int64_t>(c)];
+}
+
+// Holds the tile state for one chunk: loads the configuration for R ≤ 16 rows and the query's
+// tiles from qt (AmxQueryTiles; depth / 32 of them); releases the tiles when it goes.
+class AmxTiles {
+ public:
+  __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) AmxTiles(int64_t R, size_t depth,
+                                                                             const uint32_t* qt) {
+    AmxTileConfig config;
+    const uint16_t row_bytes = static_cast<uint16_t>(4 * R);
+    config.rows[0] = 16;
+    config.colsb[0] = row_bytes;
+    for (int t = 1; t <= 3; ++t) {
+      config.rows[t] = 16;
+      config.colsb[t] = 64;
+    }
+    for (int t = 4; t <= 7; ++t) {
+      config.rows[t] = 16;
+      config.colsb[t] = row_bytes;
+    }
+    // GCC 12 does not see ldtilecfg read the configuration and drops its stores: the asm
+    // statement makes the object escape.
+    asm volatile("" : : "r"(&config) : "memory");
+    _tile_loadconfig(&config);
+    const size_t part = 16 * static_cast<size_t>(R);  // dwords of a query tile
+    const size_t parts = depth / 32;
+    _tile_loadd(4, qt, row_bytes);
+    if (parts > 1) _tile_loadd(5, qt + part, row_bytes);
+    if (parts > 2) _tile_loadd(6, qt + 2 * part, row_bytes);
+    if (parts > 3) _tile_loadd(7, qt + 3 * part, row_bytes);
+  }
+  __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile"))) ~AmxTiles() { _tile_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+
+// S[r][x] (r < R, at s + r·lds) for the 16 keys at k, k + stride, ... (bfloat16 elements; the
+// rows of a contiguous cache or of one page), depth channels each, under AmxTiles: the tile
+// products' float32 sums times scale. The products of two bfloat16 are exact in float32; TDPBF16PS
+// adds them in float32 channel by channel (Intel's SDM), flushing denormal inputs and results as
+// vdpbf16ps does, so the scores are within Bf16Scores' bound of the exact sums (docs/numerics.md),
+// not its bits. Returns the rows (bit r) with a score that is not finite, for the caller to score
+// with the float path.
+__attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) inline uint32_t AmxBf16Scores(
+    const bfloat16* k, int64_t stride, int64_t R, size_t depth, float scale, float* s, size_t lds,
+    LineStream& ahead) {
+  static_assert(kMaxDecodeRows <= 16, "a tile row holds every query row's score");
+  ahead.Issue(kAmxWork * 16 * static_cast<uint64_t>(R) * depth);
+  const char* a = reinterpret_cast<const char*>(k);
+  const int64_t row_bytes = stride * static_cast<int64_t>(sizeof(bfloat16));
+  const size_t parts = depth / 32;
+  _tile_zero(0);
+  _tile_loadd(1, a, row_bytes);
+  _tile_dpbf16ps(0, 1, 4);
+  if (parts > 1) {
+    _tile_loadd(2, a + 64, row_bytes);
+    _tile_dpbf16ps(0, 2, 5);
+  }
+  if (parts > 2) {
+    _tile_loadd(3, a + 128, row_bytes);
+    _tile_dpbf16ps(0, 3, 6);
+  }
+  if (parts > 3) {
+    _tile_loadd(1, a + 192, row_bytes);
+    _tile_dpbf16ps(0, 1, 7);
+  }
+  alignas(64) float sums[16 * 16];  // key x's scores at x·R
+  _tile_stored(0, sums, 4 * R);
+  asm volatile("" : : "r"(sums) : "memory");  // as in AmxTiles: the gathers below read what it wrote
+  const __m512i keys = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(R)));
+  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  uint32_t bad = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512 row = _mm512_mul_ps(_mm512_i32gather_ps(keys, sums + r, 4), sc);
+    _mm512_storeu_ps(s + r * static_cast<int64_t>(lds), row);
+    if (_mm512_cmp_ps_mask(_mm512_abs_ps(row), inf, _CMP_NLT_UQ) != 0) bad |= uint32_t{1} << r;
+  }
+  return bad;
+}
+
+// Whether the 16 key rows lie `stride` elements apart (stride > 0), as a tile load reads them:
+// not so across the pages of a paged pool, nor in a block's last, partial tile (its rows past the
+// last key repeat it).
+inline bool EvenlySpaced(const bfloat16* const* krows, int64_t& stride) {
+  stride = krows[1] - krows[0];
+  if (stride <= 0) return false;
+  for (int64_t x = 2; x < 16; ++x)
+    if (krows[x] - krows[0] != x * stride) return false;
+  return true;
+}
+
+// The scores of the 16 bfloat16 keys krows (Bf16Scores' arguments): AmxBf16Scores where amx (an
+// AmxTiles held) and the rows are evenly spaced, else Bf16Scores.
+inline uint32_t Bf16KeyScores(bool amx, const uint32_t* qw, size_t ldw, int64_t R, const bfloat16* const* krows,
+                              size_t depth, float scale, float* s, size_t lds, LineStream& ahead) {
+  int64_t stride = 0;
+  if (amx && EvenlySpaced(krows, stride)) return AmxBf16Scores(krows[0], stride, R, depth, scale, s, lds, ahead);
+  return Bf16Scores(qw, ldw, R, krows, depth, scale, s, lds, ahead);
+}
+#endif
+
+}  // namespace decode
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MHA_KERNELS_CPU_DECODE_AMX_INL_H_
