@@ -50,8 +50,9 @@ struct alignas(64) AmxTileConfig {
 // The query rows' bfloat16 words (QueryBf16: row r's dword c at qw[r·ldw + c], channels 2c and
 // 2c + 1) as the tiles' layout: qt[c·R + r], for c < depth / 2.
 inline void AmxQueryTiles(const uint32_t* qw, size_t ldw, int64_t R, size_t depth, uint32_t* qt) {
+  const size_t rows = static_cast<size_t>(R);
   for (size_t c = 0; c < depth / 2; ++c)
-    for (int64_t r = 0; r < R; ++r) qt[c * static_cast<size_t>(R) + static_cast<size_t>(r)] = qw[r * static_cast<int64_t>(ldw) + static_cast<int64_t>(c)];
+    for (size_t r = 0; r < rows; ++r) qt[c * rows + r] = qw[r * ldw + c];
 }
 
 // Holds the tile state for one chunk: loads the configuration for R ≤ 16 rows and the query's
@@ -136,12 +137,14 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) inline uint32_
 
 // Whether the 16 key rows lie `stride` elements apart (stride > 0), as a tile load reads them:
 // not so across the pages of a paged pool, nor in a block's last, partial tile (its rows past the
-// last key repeat it).
+// last key repeat it). Compared as addresses: rows in different pages are different objects.
 inline bool EvenlySpaced(const bfloat16* const* krows, int64_t& stride) {
-  stride = krows[1] - krows[0];
-  if (stride <= 0) return false;
-  for (int64_t x = 2; x < 16; ++x)
-    if (krows[x] - krows[0] != x * stride) return false;
+  const auto at = [&](size_t x) { return reinterpret_cast<uintptr_t>(krows[x]); };
+  const uintptr_t step = at(1) - at(0);  // wraps when the second row lies below the first
+  if (at(1) <= at(0) || step % sizeof(bfloat16) != 0 || step > (uintptr_t{1} << 40)) return false;
+  for (size_t x = 2; x < 16; ++x)
+    if (at(x) - at(0) != x * step) return false;
+  stride = static_cast<int64_t>(step / sizeof(bfloat16));
   return true;
 }
 
