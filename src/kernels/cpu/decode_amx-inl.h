@@ -92,8 +92,8 @@ class AmxTiles {
 // S[r][x] (r < R, at s + r·lds) for the 16 keys at k, k + stride, ... (bfloat16 elements; the
 // rows of a contiguous cache or of one page), depth channels each, under AmxTiles: the tile
 // products' float32 sums times scale. The products of two bfloat16 are exact in float32; TDPBF16PS
-// adds them in float32 channel by channel (Intel's SDM), flushing denormal inputs and results as
-// vdpbf16ps does, so the scores are within Bf16Scores' bound of the exact sums (docs/numerics.md),
+// adds them to the float32 sum one after another (Intel's SDM), flushing denormal inputs and
+// results as vdpbf16ps does, so the scores are within Bf16Scores' bound of the exact sums (docs/numerics.md),
 // not its bits. Returns the rows (bit r) with a score that is not finite, for the caller to score
 // with the float path.
 __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) inline uint32_t AmxBf16Scores(
