@@ -6,7 +6,7 @@
 // half of the cache-resident bfloat16 step. Here one tile product takes 16 keys × 32 channels
 // against every query row: S^T (16 keys × R) += K (16 keys × 32 channels, loaded from the cache
 // rows as they are) · Q^T (16 channel pairs × R, the query's words transposed once per chunk by
-// AmxQueryTiles), and the sums need no horizontal adds. The intrinsics need their own target
+// AmxTiles), and the sums need no horizontal adds. The intrinsics need their own target
 // (Highway 1.0 has no tile ops): docs/ARCHITECTURE.md.
 #if defined(MHA_KERNELS_CPU_DECODE_AMX_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_AMX_INL_H_
@@ -47,20 +47,17 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
-// The query rows' bfloat16 words (QueryBf16: row r's dword c at qw[r·ldw + c], channels 2c and
-// 2c + 1) as the tiles' layout: qt[c·R + r], for c < depth / 2.
-inline void AmxQueryTiles(const uint32_t* qw, size_t ldw, int64_t R, size_t depth, uint32_t* qt) {
-  const size_t rows = static_cast<size_t>(R);
-  for (size_t c = 0; c < depth / 2; ++c)
-    for (size_t r = 0; r < rows; ++r) qt[c * rows + r] = qw[r * ldw + c];
-}
-
 // Holds the tile state for one chunk: loads the configuration for R ≤ 16 rows and the query's
-// tiles from qt (AmxQueryTiles; depth / 32 of them); releases the tiles when it goes.
+// tiles (depth / 32 of them) from QueryBf16's words (row r's dword c at qw[r·ldw + c], channels
+// 2c and 2c + 1), transposed to the tiles' layout (dword c·R + r); releases the tiles when it goes.
 class AmxTiles {
  public:
-  __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) AmxTiles(int64_t R, size_t depth,
-                                                                             const uint32_t* qt) {
+  __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) AmxTiles(const uint32_t* qw, size_t ldw,
+                                                                             int64_t R, size_t depth) {
+    const size_t rows = static_cast<size_t>(R);
+    alignas(64) uint32_t qt[kMaxDecodeRows * kAmxMaxDepth / 2];
+    for (size_t c = 0; c < depth / 2; ++c)
+      for (size_t r = 0; r < rows; ++r) qt[c * rows + r] = qw[r * ldw + c];
     AmxTileConfig config;
     const uint16_t row_bytes = static_cast<uint16_t>(4 * R);
     config.rows[0] = 16;
@@ -77,7 +74,7 @@ class AmxTiles {
     // statement makes the object escape.
     asm volatile("" : : "r"(&config) : "memory");
     _tile_loadconfig(&config);
-    const size_t part = 16 * static_cast<size_t>(R);  // dwords of a query tile
+    const size_t part = 16 * rows;  // dwords of a query tile
     const size_t parts = depth / 32;
     _tile_loadd(4, qt, row_bytes);
     if (parts > 1) _tile_loadd(5, qt + part, row_bytes);
@@ -100,7 +97,7 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) inline uint32_
     const bfloat16* k, int64_t stride, int64_t R, size_t depth, float scale, float* s, size_t lds,
     LineStream& ahead) {
   static_assert(kMaxDecodeRows <= 16, "a tile row holds every query row's score");
-  ahead.Issue(kAmxWork * 16 * static_cast<uint64_t>(R) * depth);
+  ahead.Issue(kFloatWork * 16 * static_cast<uint64_t>(R) * depth);
   const char* a = reinterpret_cast<const char*>(k);
   const int64_t row_bytes = stride * static_cast<int64_t>(sizeof(bfloat16));
   const size_t parts = depth / 32;

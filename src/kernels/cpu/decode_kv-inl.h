@@ -42,8 +42,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // bfloat16 key tiles (AmxBf16Scores) count as float too, though they ran ~5× as fast as
 // vdpbf16ps's loop: counted 1, the bfloat16 step at 256 MiB took 6.06 ms against 5.64 (the
 // scores then asked for too few lines, docs/benchmarks.md).
-constexpr uint64_t kFloatWork = 4, kAvx2IntWork = 2, kVnniWork = 1, kInt4VnniValueWork = 4, kInt8VnniValueWork = 2,
-                   kAmxWork = 4;
+constexpr uint64_t kFloatWork = 4, kAvx2IntWork = 2, kVnniWork = 1, kInt4VnniValueWork = 4, kInt8VnniValueWork = 2;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Element offset of key/value row j of one (batch, kv head) plane: j · row, or through the block

@@ -211,12 +211,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   // bfloat16 keys with AMX's tile products where the CPU has them (AmxBf16Scores): the tile
   // state is held for the chunk, with the query's tiles loaded once.
   const bool amx_keys = bf16_keys && decode::AmxDepth(depth) && decode_amx_bf16();
-  alignas(64) uint32_t qt[kMaxDecodeRows * decode::kAmxMaxDepth / 2];
   std::optional<decode::AmxTiles> tiles;
-  if (amx_keys) {
-    decode::AmxQueryTiles(qb, ldb, R, depth, qt);
-    tiles.emplace(R, depth, qt);
-  }
+  if (amx_keys) tiles.emplace(qb, ldb, R, depth);
   // int4 values with bfloat16 dot products where the CPU has them (Int4Output), unless they are
   // taken on byte weights by VNNI (Int4OutputVnni, below).
   const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots() && !decode_vnni_byte_values();
@@ -274,9 +270,6 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   uint64_t score_work = decode::kFloatWork, value_work = decode::kFloatWork;
 #if MHA_DECODE_INT_DOTS
   if (dots) score_work = vnni ? decode::kVnniWork : decode::kAvx2IntWork;
-#endif
-#if MHA_DECODE_DOTS
-  if (amx_keys) score_work = decode::kAmxWork;
 #endif
   if (byte_values) value_work = HWY_TARGET == HWY_AVX2 ? decode::kAvx2IntWork : decode::kInt4VnniValueWork;
   if (word_values) value_work = decode::kInt8VnniValueWork;
