@@ -1,10 +1,11 @@
 // The inner loops of the decode kernel (flash_decode.cc) over one block of keys: the scores of N
 // keys for one query row (DotScores from the K rows, StagedScores from keys widened or dequantized
-// into a stage), head dim in the lanes and the N sums reduced together; the online softmax of a
-// block's scores (BlockSoftmax: softcap, ALiBi, mask); and the output pass (DecodeOutputCols),
-// value columns in the lanes, each V row loaded once per block and broadcast-multiplied into every
-// row's accumulator (VisibleOutput: one row over only the keys it sees); and the query rows they
-// read (LoadQueryRow). Kv: how K and V are stored (decode_kv-inl.h).
+// into a stage) or, on AVX2, for every row (PairedScores), head dim in the lanes and the N sums
+// reduced together; the online softmax of a block's scores (BlockSoftmax: softcap, ALiBi, mask);
+// and the output pass (DecodeOutputCols), value columns in the lanes, each V row loaded once per
+// block and broadcast-multiplied into every row's accumulator (VisibleOutput: one row over only
+// the keys it sees); and the query rows they read (LoadQueryRow). Kv: how K and V are stored
+// (decode_kv-inl.h).
 #if defined(MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
@@ -438,6 +439,70 @@ HWY_INLINE hn::Vec<DF> DotScores(DF d, const float* q, const Kv& kv, const typen
     for (size_t x = 0; x < N; ++x) acc[x] = hn::MulAdd(qc, kv.LoadPartial(d, krows[x], full, depth - full), acc[x]);
   }
   return SumLanesOfEach(d, acc);
+}
+
+// Whether the scores of plain (float, bfloat16, float16) keys take PairedScores: on AVX2,
+// whose 16 registers fit two keys' accumulators for kTileRows rows.
+constexpr bool kPairedScores = HWY_TARGET == HWY_AVX2;
+
+// Keeps v in a register: the compiler may not fold the load that made it into each
+// instruction that reads it (GCC 12 did, loading PairedScores's query vectors once per key).
+template <class V>
+HWY_INLINE void KeepInRegister(V& v) {
+#if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+  asm("" : "+x"(v.raw));
+#else
+  (void)v;
+#endif
+}
+
+// S[r][x] for the query rows [0, R) (rows ldq apart from q) and the N keys krows[x] (N even),
+// into s + r·lds: two keys at a time against up to kTileRows rows, each vector of a key loaded
+// (and widened) once for those rows. Per 8 multiply-adds that is 2 key and 4 query loads, where
+// DotScores and StagedScores load 9 (and StagedScores writes its stage first): the
+// cache-resident bfloat16 and float16 steps took 11–14% less time on an AMD EPYC's AVX2
+// (docs/benchmarks.md). Per row and key the products, their order and the sum across lanes are
+// DotScores's: the same bits.
+template <bool kTail, class Kv>
+HWY_INLINE void PairedScores(DF d, const float* q, size_t ldq, int64_t R, const Kv& kv,
+                             const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
+                             LineStream& ahead) {
+  using V = hn::Vec<DF>;
+  const size_t N = hn::Lanes(d), full = kTail ? depth / N * N : depth;
+  for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
+    WithTileRows(R - r0, [&](auto rt) {
+      constexpr size_t RT = decltype(rt)::value;
+      ahead.Issue(kFloatWork * RT * N * depth);
+      const float* qr = q + r0 * static_cast<int64_t>(ldq);
+      V acc[RT][hn::MaxLanes(DF())];
+      for (size_t x = 0; x < N; x += 2) {
+        V a[RT], b[RT];
+        for (size_t r = 0; r < RT; ++r) a[r] = b[r] = hn::Zero(d);
+        for (size_t c = 0; c < full; c += N) {
+          const V k0 = kv.Load(d, krows[x], c), k1 = kv.Load(d, krows[x + 1], c);
+          for (size_t r = 0; r < RT; ++r) {
+            V qc = hn::Load(d, qr + r * ldq + c);
+            KeepInRegister(qc);
+            a[r] = hn::MulAdd(qc, k0, a[r]);
+            b[r] = hn::MulAdd(qc, k1, b[r]);
+          }
+        }
+        if (kTail) {  // the query is zero past depth (padded)
+          const V k0 = kv.LoadPartial(d, krows[x], full, depth - full);
+          const V k1 = kv.LoadPartial(d, krows[x + 1], full, depth - full);
+          for (size_t r = 0; r < RT; ++r) {
+            const V qc = hn::Load(d, qr + r * ldq + full);
+            a[r] = hn::MulAdd(qc, k0, a[r]);
+            b[r] = hn::MulAdd(qc, k1, b[r]);
+          }
+        }
+        for (size_t r = 0; r < RT; ++r) acc[r][x] = a[r], acc[r][x + 1] = b[r];
+      }
+      for (size_t r = 0; r < RT; ++r) {
+        hn::Store(SumLanesOfEach(d, acc[r]), d, s + (r0 + static_cast<int64_t>(r)) * static_cast<int64_t>(lds));
+      }
+    });
+  }
 }
 
 // Query row at element q of p.q, times `scale` (then times the keys' channel scales of a

@@ -56,6 +56,7 @@ using decode::kOutVecs;
 using decode::kTileRows;
 using decode::LoadQueryRow;
 using decode::Merge;
+using decode::PairedScores;
 using decode::PlainKv;
 using decode::QuantKv;
 using decode::StagedScores;
@@ -80,10 +81,12 @@ using decode::QueryBf16;
 using decode::TileDots;
 #endif
 
-// Keys per block: 8 vectors. Each block pays a softmax update per row (horizontal max and sum,
-// a scalar exp2) and each output pass's setup: 8 vectors took the cache-resident bfloat16 and
-// int8 steps ~7% below 4 vectors' (docs/benchmarks.md); 16 were slower again.
-constexpr size_t kBlockVecs = 8;
+// Keys per block: 128 (8 vectors on AVX3, 16 on AVX2). Each block pays a softmax update per row
+// (horizontal max and sum, a scalar exp2) and each output pass's setup: on the Xeon's AVX3, 8
+// vectors took the cache-resident bfloat16 and int8 steps ~7% below 4 vectors', and 16 were
+// slower again; on an AMD EPYC's AVX2, 16 vectors (128 keys) took the cache-resident 16-bit,
+// int8 and int4 steps 3–7% below 8 (docs/benchmarks.md).
+constexpr size_t kBlockVecs = HWY_TARGET == HWY_AVX2 ? 16 : 8;
 constexpr int64_t kMaxChunkKeys = int64_t{1} << 16;  // keys per chunk at most (a multiple of any block)
 
 struct Split {
@@ -225,8 +228,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   typename Kv::Row krows[hn::MaxLanes(DF())];
   typename Kv::Row vrows[kBlockVecs * hn::MaxLanes(DF())];
   // Keys not of float are widened or dequantized once per N keys into a stage interleaved by
-  // vector, which every query row then reads (StagedScores).
-  constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles;
+  // vector, which every query row then reads (StagedScores); on AVX2 plain keys are instead
+  // read two at a time against 4 rows (PairedScores), which needs no stage.
+  constexpr bool kStage =
+      !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles && !decode::kPairedScores;
   float* kstage = kStage ? ws.get<float>(Workspace::kDecodeKeyStage, N * ldq) : nullptr;
   // int8/int4 values on AVX2: the value pass's weights with the groups' scales folded in
   // (FoldValueWeights), per group of the padded value row.
@@ -373,6 +378,12 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
         for (int64_t r = 0; r < R; ++r) {
           ahead.Issue(decode::kFloatWork * N * depth);
           hn::Store(StagedScores(d, qs + r * ldq, kstage, ldq / N), d, s + r * block + kb * N);
+        }
+      } else if constexpr (decode::kPairedScores) {
+        if (tail) {
+          PairedScores<true>(d, qs, ldq, R, kv, krows, depth, s + kb * N, block, ahead);
+        } else {
+          PairedScores<false>(d, qs, ldq, R, kv, krows, depth, s + kb * N, block, ahead);
         }
       } else {
         for (int64_t r = 0; r < R; ++r) {
