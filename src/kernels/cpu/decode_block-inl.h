@@ -440,10 +440,20 @@ HWY_INLINE hn::Vec<DF> DotScores(DF d, const float* q, const Kv& kv, const typen
   }
   return SumLanesOfEach(d, acc);
 }
+template <class Kv>
+HWY_INLINE hn::Vec<DF> DotScores(DF d, bool tail, const float* q, const Kv& kv, const typename Kv::Row* krows,
+                                 size_t depth) {
+  return tail ? DotScores<true>(d, q, kv, krows, depth) : DotScores<false>(d, q, kv, krows, depth);
+}
 
-// Whether the scores of plain (float, bfloat16, float16) keys take PairedScores: on AVX2,
-// whose 16 registers fit two keys' accumulators for kTileRows rows.
-constexpr bool kPairedScores = HWY_TARGET == HWY_AVX2;
+// Whether the scores of Kv's keys take PairedScores: bfloat16 and float16 keys on AVX2, whose 16
+// registers fit two keys' accumulators for kTileRows rows. Float32 keys keep DotScores, which
+// reads 8 key rows at once: paired, the float32 step from memory took ~8% longer on an AMD EPYC
+// (docs/benchmarks.md).
+template <class Kv>
+constexpr bool PairsKeys() {
+  return HWY_TARGET == HWY_AVX2 && (std::is_same_v<Kv, PlainKv<bfloat16>> || std::is_same_v<Kv, PlainKv<float16>>);
+}
 
 // Keeps v in a register: the compiler may not fold the load that made it into each
 // instruction that reads it (GCC 12 did, loading PairedScores's query vectors once per key).
@@ -502,6 +512,17 @@ HWY_INLINE void PairedScores(DF d, const float* q, size_t ldq, int64_t R, const 
         hn::Store(SumLanesOfEach(d, acc[r]), d, s + (r0 + static_cast<int64_t>(r)) * static_cast<int64_t>(lds));
       }
     });
+  }
+}
+
+template <class Kv>
+HWY_INLINE void PairedScores(DF d, bool tail, const float* q, size_t ldq, int64_t R, const Kv& kv,
+                             const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
+                             LineStream& ahead) {
+  if (tail) {
+    PairedScores<true>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
+  } else {
+    PairedScores<false>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
   }
 }
 

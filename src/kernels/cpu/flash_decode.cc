@@ -81,12 +81,10 @@ using decode::QueryBf16;
 using decode::TileDots;
 #endif
 
-// Keys per block: 128 (8 vectors on AVX3, 16 on AVX2). Each block pays a softmax update per row
-// (horizontal max and sum, a scalar exp2) and each output pass's setup: on the Xeon's AVX3, 8
-// vectors took the cache-resident bfloat16 and int8 steps ~7% below 4 vectors', and 16 were
-// slower again; on an AMD EPYC's AVX2, 16 vectors (128 keys) took the cache-resident 16-bit,
-// int8 and int4 steps 3–7% below 8 (docs/benchmarks.md).
-constexpr size_t kBlockVecs = HWY_TARGET == HWY_AVX2 ? 16 : 8;
+// Keys per block (each pays a softmax update per row and each pass's setup): 8 vectors, 16 for
+// int8/int4 on AVX2 (others were slower, docs/benchmarks.md); 16-bit keys as float's (same bits).
+template <class Kv>
+constexpr size_t kBlockVecs = HWY_TARGET == HWY_AVX2 && Kv::kKeyTiles ? 16 : 8;
 constexpr int64_t kMaxChunkKeys = int64_t{1} << 16;  // keys per chunk at most (a multiple of any block)
 
 struct Split {
@@ -114,7 +112,7 @@ template <class Kv>
 void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, int64_t k1, float* o, float* m,
                  float* l) {
   const DF d;
-  const size_t N = hn::Lanes(d), block = kBlockVecs * N;
+  const size_t N = hn::Lanes(d), block = kBlockVecs<Kv> * N;
   const int64_t R = p.group() * p.q_len;
   const size_t D = static_cast<size_t>(p.head_dim_qk), Dv = static_cast<size_t>(p.head_dim_v);
   const size_t dvp = (Dv + N - 1) / N * N;
@@ -226,12 +224,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   if constexpr (Kv::kKeyTiles) ua = ua / static_cast<int64_t>(N) * static_cast<int64_t>(N);
   const Kv kv(p, b, hk);
   typename Kv::Row krows[hn::MaxLanes(DF())];
-  typename Kv::Row vrows[kBlockVecs * hn::MaxLanes(DF())];
+  typename Kv::Row vrows[kBlockVecs<Kv> * hn::MaxLanes(DF())];
   // Keys not of float are widened or dequantized once per N keys into a stage interleaved by
-  // vector, which every query row then reads (StagedScores); on AVX2 plain keys are instead
-  // read two at a time against 4 rows (PairedScores), which needs no stage.
-  constexpr bool kStage =
-      !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles && !decode::kPairedScores;
+  // vector, which every query row reads (StagedScores; AVX2 reads them in pairs: PairedScores).
+  constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles && !decode::PairsKeys<Kv>();
   float* kstage = kStage ? ws.get<float>(Workspace::kDecodeKeyStage, N * ldq) : nullptr;
   // int8/int4 values on AVX2: the value pass's weights with the groups' scales folded in
   // (FoldValueWeights), per group of the padded value row.
@@ -253,7 +249,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   // int8 values with AVX-512 VNNI's 16-bit products where allowed: the folded weights rounded to
   // words, per block (WordValueWeights), passes of kTileRows rows (Int8OutputVnni).
 #if MHA_DECODE_WORD_VALUES
-  static_assert(kBlockVecs * 16 <= decode::kWordPassKeys, "Int8OutputVnni sums a block in int32");
+  static_assert(kBlockVecs<Kv> * 16 <= decode::kWordPassKeys, "Int8OutputVnni sums a block in int32");
   const bool word_values = std::is_same_v<Kv, QuantKv<8>> && decode_vnni_word_values();
   int16_t* vwords = word_values ? ws.get<int16_t>(Workspace::kDecodeValueWords, vgroups * R * block) : nullptr;
 #else
@@ -304,12 +300,11 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     const uint64_t score_macs = static_cast<uint64_t>(R) * ((static_cast<size_t>(jn) + N - 1) / N * N) * depth;
     ahead.Plan(score_macs * score_work + static_cast<uint64_t>(R) * static_cast<uint64_t>(jn) * Dv * value_work);
     // Scores: for each N keys, every row's N dot products (head dim in the lanes), K rows read
-    // in memory order.
-    // Lanes past the block's last key read that key again; the mask below drops them.
-    // Vectors of the block past its last key (a short chunk or the cache's end) are not computed:
-    // their scores are -inf, which the mask below keeps.
+    // in memory order. Lanes past the block's last key read that key again; the mask below drops
+    // them. Vectors of the block past its last key (a short chunk or the cache's end) are not
+    // computed: their scores are -inf, which the mask below keeps.
     const size_t nkb = (static_cast<size_t>(jn) + N - 1) / N;
-    for (size_t kb = nkb; kb < kBlockVecs; ++kb)
+    for (size_t kb = nkb; kb < kBlockVecs<Kv>; ++kb)
       for (int64_t r = 0; r < R; ++r) hn::Store(hn::Set(d, kNegInf), d, s + r * block + kb * N);
     for (size_t kb = 0; kb < nkb; ++kb) {
       const int64_t first = j0 + static_cast<int64_t>(kb * N);
@@ -365,8 +360,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
                                                   s + static_cast<int64_t>(kb * N), block, ahead);
             for (int64_t r = 0; redo != 0; ++r, redo >>= 1) {
               if (!(redo & 1)) continue;
-              const auto sc = tail ? DotScores<true>(d, qs + r * ldq, kv, krows, depth)
-                                   : DotScores<false>(d, qs + r * ldq, kv, krows, depth);
+              const auto sc = DotScores(d, tail, qs + r * ldq, kv, krows, depth);
               hn::Store(sc, d, s + r * block + kb * N);
             }
             continue;
@@ -379,23 +373,19 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           ahead.Issue(decode::kFloatWork * N * depth);
           hn::Store(StagedScores(d, qs + r * ldq, kstage, ldq / N), d, s + r * block + kb * N);
         }
-      } else if constexpr (decode::kPairedScores) {
-        if (tail) {
-          PairedScores<true>(d, qs, ldq, R, kv, krows, depth, s + kb * N, block, ahead);
-        } else {
-          PairedScores<false>(d, qs, ldq, R, kv, krows, depth, s + kb * N, block, ahead);
-        }
+      } else if constexpr (decode::PairsKeys<Kv>()) {
+        PairedScores(d, tail, qs, ldq, R, kv, krows, depth, s + kb * N, block, ahead);
       } else {
         for (int64_t r = 0; r < R; ++r) {
           ahead.Issue(decode::kFloatWork * N * depth);
-          const auto sc = tail ? DotScores<true>(d, qs + r * ldq, kv, krows, depth)
-                               : DotScores<false>(d, qs + r * ldq, kv, krows, depth);
+          const auto sc = DotScores(d, tail, qs + r * ldq, kv, krows, depth);
           hn::Store(sc, d, s + r * block + kb * N);
         }
       }
     }
     // Softcap and ALiBi, mask, then the online softmax of each row.
-    decode::BlockSoftmax<kBlockVecs>(d, p, b, hk, rows, R, j0, jn, seen, s, m, l, alpha, int_values ? pmax : nullptr);
+    decode::BlockSoftmax<kBlockVecs<Kv>>(d, p, b, hk, rows, R, j0, jn, seen, s, m, l, alpha,
+                                         int_values ? pmax : nullptr);
     // The block's value rows, found once for every pass below.
     for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
     // A key of the block that a row does not see (a window's first block, a causal last block of
@@ -520,7 +510,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 template <class Kv>
 void DecodeOf(const AttentionParams& p, int num_threads) {
   const DF d;
-  const size_t N = hn::Lanes(d), block = kBlockVecs * N;
+  const size_t N = hn::Lanes(d), block = kBlockVecs<Kv> * N;
   const Split split = ChooseSplit(p, block);
   const int64_t heads = p.batch * p.kv_heads, R = p.group() * p.q_len;
   const size_t dvp = (static_cast<size_t>(p.head_dim_v) + N - 1) / N * N;
