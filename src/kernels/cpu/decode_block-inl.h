@@ -448,7 +448,7 @@ HWY_INLINE hn::Vec<DF> DotScores(DF d, bool tail, const float* q, const Kv& kv, 
 
 // Whether the scores of Kv's keys take PairedScores: bfloat16 and float16 keys on AVX2, whose 16
 // registers fit two keys' accumulators for kTileRows rows. Float32 keys keep DotScores, which
-// reads 8 key rows at once: paired, the float32 step from memory took ~8% longer on an AMD EPYC
+// reads 8 key rows at once: paired, the float32 step from memory took 6–8% longer on an AMD EPYC
 // (docs/benchmarks.md).
 template <class Kv>
 constexpr bool PairsKeys() {
@@ -470,7 +470,7 @@ HWY_INLINE void KeepInRegister(V& v) {
 // into s + r·lds: two keys at a time against up to kTileRows rows, each vector of a key loaded
 // (and widened) once for those rows. Per 8 multiply-adds that is 2 key and 4 query loads, where
 // DotScores and StagedScores load 9 (and StagedScores writes its stage first): the
-// cache-resident bfloat16 and float16 steps took 11–14% less time on an AMD EPYC's AVX2
+// cache-resident bfloat16 and float16 steps took 10–13% less time on an AMD EPYC's AVX2
 // (docs/benchmarks.md). Per row and key the products, their order and the sum across lanes are
 // DotScores's: the same bits.
 template <bool kTail, class Kv>
