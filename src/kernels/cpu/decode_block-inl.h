@@ -1,11 +1,11 @@
 // The inner loops of the decode kernel (flash_decode.cc) over one block of keys: the scores of N
 // keys for one query row (DotScores from the K rows, StagedScores from keys widened or dequantized
-// into a stage) or, on AVX2, for every row (PairedScores), head dim in the lanes and the N sums
-// reduced together; the online softmax of a block's scores (BlockSoftmax: softcap, ALiBi, mask);
-// and the output pass (DecodeOutputCols), value columns in the lanes, each V row loaded once per
-// block and broadcast-multiplied into every row's accumulator (VisibleOutput: one row over only
-// the keys it sees); and the query rows they read (LoadQueryRow). Kv: how K and V are stored
-// (decode_kv-inl.h).
+// into a stage) or, for 16-bit keys on AVX2, every row's (PairedScores), head dim in the lanes and
+// the N sums reduced together; the online softmax of a block's scores (BlockSoftmax: softcap,
+// ALiBi, mask); and the output pass (DecodeOutputCols), value columns in the lanes, each V row
+// loaded once per block and broadcast-multiplied into every row's accumulator (VisibleOutput: one
+// row over only the keys it sees); and the query rows they read (LoadQueryRow). Kv: how K and V
+// are stored (decode_kv-inl.h).
 #if defined(MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
@@ -440,6 +440,8 @@ HWY_INLINE hn::Vec<DF> DotScores(DF d, const float* q, const Kv& kv, const typen
   }
   return SumLanesOfEach(d, acc);
 }
+
+// DotScores with a partial last vector or not, as tail says.
 template <class Kv>
 HWY_INLINE hn::Vec<DF> DotScores(DF d, bool tail, const float* q, const Kv& kv, const typename Kv::Row* krows,
                                  size_t depth) {
@@ -515,6 +517,7 @@ HWY_INLINE void PairedScores(DF d, const float* q, size_t ldq, int64_t R, const 
   }
 }
 
+// PairedScores with a partial last vector or not, as tail says.
 template <class Kv>
 HWY_INLINE void PairedScores(DF d, bool tail, const float* q, size_t ldq, int64_t R, const Kv& kv,
                              const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
