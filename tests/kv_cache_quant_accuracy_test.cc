@@ -170,7 +170,7 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
 
 // The integer value passes on rounded weights, each on its target, against the exact attention
 // of an exact problem: int4 on byte weights (AVX2: Int4Output256; AVX3 with VNNI and VBMI:
-// Int4OutputVnni), int8 on 16-bit weights (AVX3 with VNNI: Int8OutputVnni). Integer products as
+// Int4OutputVnni), int8 on 16-bit weights (AVX2: Int8Output256; AVX3 with VNNI: Int8OutputVnni). Integer products as
 // in Int4KeyScoresExactWhereTheRoundingsAre (int8 keys alike: every group of a key holds a 0 and
 // a 255, every channel a 255), with random codes; L = 301: several blocks, the last partial. The
 // scores are exact, so that the pass differs from naive_attention by the weights' rounding and
@@ -275,9 +275,11 @@ TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
 }
 
 TEST(KvCacheQuantAccuracy, Int8WordValuesWithinTheirBound) {
-  if (!HasTarget("AVX3") || !kernels::decode_vnni_word_values())
-    GTEST_SKIP() << "this CPU has no AVX-512 VNNI: no word value pass runs";
-  CheckValuePassBound(CacheType::kInt8, {{"AVX3", 128}}, base_seed() + 808);
+  std::vector<ValuePass> passes;
+  if (HasTarget("AVX2") && kernels::decode_byte_values()) passes.push_back({"AVX2", 128});
+  if (HasTarget("AVX3") && kernels::decode_vnni_word_values()) passes.push_back({"AVX3", 128});
+  if (passes.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VNNI: no word value pass runs";
+  CheckValuePassBound(CacheType::kInt8, passes, base_seed() + 808);
 }
 
 // The error of decoding from a quantized cache against a float32 cache of the same keys and

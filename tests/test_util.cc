@@ -24,7 +24,9 @@ void restore_kernel_switches() {
 }
 
 bool int8_values_rounded() {
-  return kernels::simd_targets().front() == "AVX3" && kernels::decode_vnni_word_values();
+  const std::string best = kernels::simd_targets().front();
+  if (best == "AVX2") return kernels::decode_byte_values();
+  return best == "AVX3" && kernels::decode_vnni_word_values();
 }
 
 bool int4_values_rounded() {

@@ -172,7 +172,7 @@ inline float PowerOfTwoAtOrAbove(float bound) {
 }
 
 // O = alpha·O + mins for RT rows and NV vectors of columns (a group's mins at +ldg, the rows' at
-// +1): where the integer value passes (Int4OutputVnni, Int8OutputVnni) start.
+// +1): where the AVX3 integer value passes (Int4OutputVnni, Int8OutputVnni) start.
 template <size_t RT, size_t NV>
 HWY_INLINE void ScaleAndAddMins(DF d, const float* alpha, const float* mins, size_t ldg, float* o, size_t ldo) {
   const size_t N = hn::Lanes(d), group_vecs = static_cast<size_t>(kCacheQuantGroup) / N;

@@ -33,8 +33,8 @@ using DF = hn::ScalableTag<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // The work that paces the kernel's prefetches (LineStream): multiply-adds weighted by what they
 // cost: 4 for a float FMA's (and for bfloat16 dot products, which ran no faster on the Xeon), 2
-// for AVX2's 16-bit integer products, 1 for VNNI's key tiles (four per 32-bit lane at the FMA's
-// rate). The int4 value pass on VNNI (Int4OutputVnni) counts as float: its byte gathers
+// for AVX2's 16-bit integer products (key tiles, and the int4 and int8 value passes), 1 for
+// VNNI's key tiles (four per 32-bit lane at the FMA's rate). The int4 value pass on VNNI (Int4OutputVnni) counts as float: its byte gathers
 // (vpermt2b, a third of the FMA's rate) and nibble splits, with the block's byte weights before
 // it, make its multiply-adds as slow; counted as VNNI's, the int4 step at 256 MiB took 2.94 ms
 // against 2.75 (docs/benchmarks.md). The int8 VNNI value pass (Int8OutputVnni: two products per

@@ -50,8 +50,9 @@ void allow_decode_avx512_vnni(bool allow);
 bool decode_amx_bf16();
 void allow_decode_amx(bool allow);
 // Whether the AVX2 target reads an int4 cache's values with 8-bit integer products on weights
-// rounded to bytes (Int4Output256), where the CPU has AVX2 and dot products are allowed: tests
-// turn it off alone (on both targets) to check the integer key products exactly.
+// rounded to bytes (Int4Output256), and an int8 cache's with 16-bit products on weights rounded
+// to words (Int8Output256), where the CPU has AVX2 and dot products are allowed: tests turn it
+// off alone (on both targets) to check the integer key products exactly.
 bool decode_byte_values();
 // The same on the AVX3 target with AVX-512 VNNI and VBMI (Int4OutputVnni, in place of the
 // bfloat16 dot products), unless VNNI or the byte values are turned off.

@@ -246,11 +246,13 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 #else
   constexpr bool byte_values = false;
 #endif
-  // int8 values with AVX-512 VNNI's 16-bit products where allowed: the folded weights rounded to
-  // words, per block (WordValueWeights), passes of kTileRows rows (Int8OutputVnni).
+  // int8 values with 16-bit integer products where allowed: the folded weights rounded to words,
+  // per block (WordValueWeights), passes of kTileRows rows: AVX2's vpmaddwd (Int8Output256) or
+  // AVX-512 VNNI (Int8OutputVnni).
 #if MHA_DECODE_WORD_VALUES
-  static_assert(kBlockVecs<Kv> * 16 <= decode::kWordPassKeys, "Int8OutputVnni sums a block in int32");
-  const bool word_values = std::is_same_v<Kv, QuantKv<8>> && decode_vnni_word_values();
+  static_assert(kBlockVecs<Kv> * hn::MaxLanes(DF()) <= decode::kWordPassKeys, "the word passes sum a block in int32");
+  const bool word_values = std::is_same_v<Kv, QuantKv<8>> &&
+                           (HWY_TARGET == HWY_AVX2 ? decode_byte_values() : decode_vnni_word_values());
   int16_t* vwords = word_values ? ws.get<int16_t>(Workspace::kDecodeValueWords, vgroups * R * block) : nullptr;
 #else
   constexpr bool word_values = false;
@@ -273,7 +275,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   if (dots) score_work = vnni ? decode::kVnniWork : decode::kAvx2IntWork;
 #endif
   if (byte_values) value_work = HWY_TARGET == HWY_AVX2 ? decode::kAvx2IntWork : decode::kInt4VnniValueWork;
-  if (word_values) value_work = decode::kInt8VnniValueWork;
+  if (word_values) value_work = HWY_TARGET == HWY_AVX2 ? decode::kAvx2IntWork : decode::kInt8VnniValueWork;
   LineStream ahead;
   // Queues the lines of the block of keys from j (none past ub).
   const auto queue_block = [&](int64_t j) {
@@ -401,7 +403,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     }
 #endif
     // The block's values taken on byte or word weights (Int4Output256, Int4OutputVnni,
-    // Int8OutputVnni): pass(rt, c0, nc, r0, i) for each pass of kOutVecs vectors of columns
+    // Int8WordPass): pass(rt, c0, nc, r0, i) for each pass of kOutVecs vectors of columns
     // from c0 (nc of them) and kTileRows rows from r0 (RT = rt of them), i = g·R + r0 the index
     // of their weights, steps and mins (g = c0 / 32).
     bool int_pass = false;
@@ -450,11 +452,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
                                                          vmins);
       if (int_pass) {
         integer_passes([&](auto rt, size_t c0, size_t nc, int64_t r0, size_t i) {
-          WithPassVectors((nc + N - 1) / N, [&](auto nv) {
-            decode::Int8OutputVnni<decltype(rt)::value, decltype(nv)::value>(
-                vwords + i * block, block, static_cast<size_t>(R), vrows, c0, static_cast<size_t>(jn), alpha + r0,
-                vmins + i, vsteps + i, o + r0 * dvp + c0, dvp, ahead);
-          });
+          decode::Int8WordPass<decltype(rt)::value>(vwords + i * block, block, static_cast<size_t>(R), vrows, c0, nc,
+                                                    static_cast<size_t>(jn), alpha + r0, vmins + i, vsteps + i,
+                                                    o + r0 * dvp + c0, dvp, ahead);
         });
       }
     }
