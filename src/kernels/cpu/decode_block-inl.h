@@ -474,7 +474,9 @@ HWY_INLINE void KeepInRegister(V& v) {
 // DotScores and StagedScores load 9 (and StagedScores writes its stage first): the
 // cache-resident bfloat16 and float16 steps took 10–13% less time on an AMD EPYC's AVX2
 // (docs/benchmarks.md). Per row and key the products, their order and the sum across lanes are
-// DotScores's: the same bits.
+// DotScores's: the same bits. Each pair asks `ahead` for its share of the next block's lines:
+// asked per tile of N keys, a bfloat16 block's were bursts of 32 prefetches, and the steps from
+// memory took 4–9% longer (bfloat16), 1–5% (float16) on the AMD EPYC (docs/benchmarks.md).
 template <bool kTail, class Kv>
 HWY_INLINE void PairedScores(DF d, const float* q, size_t ldq, int64_t R, const Kv& kv,
                              const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
@@ -484,10 +486,10 @@ HWY_INLINE void PairedScores(DF d, const float* q, size_t ldq, int64_t R, const 
   for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
     WithTileRows(R - r0, [&](auto rt) {
       constexpr size_t RT = decltype(rt)::value;
-      ahead.Issue(kFloatWork * RT * N * depth);
       const float* qr = q + r0 * static_cast<int64_t>(ldq);
       V acc[RT][hn::MaxLanes(DF())];
       for (size_t x = 0; x < N; x += 2) {
+        ahead.Issue(kFloatWork * RT * 2 * depth);
         V a[RT], b[RT];
         for (size_t r = 0; r < RT; ++r) a[r] = b[r] = hn::Zero(d);
         for (size_t c = 0; c < full; c += N) {
