@@ -168,24 +168,24 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
   }
 }
 
-// The integer value passes on rounded weights, each on its target, against the exact attention
-// of an exact problem: int4 on byte weights (AVX2: Int4Output256; AVX3 with VNNI and VBMI:
-// Int4OutputVnni), int8 on 16-bit weights (AVX2: Int8Output256; AVX3 with VNNI: Int8OutputVnni). Integer products as
-// in Int4KeyScoresExactWhereTheRoundingsAre (int8 keys alike: every group of a key holds a 0 and
-// a 255, every channel a 255), with random codes; L = 301: several blocks, the last partial. The
-// scores are exact, so that the pass differs from naive_attention by the weights' rounding and
-// the float pass's own (16u of the output). Values are their codes (scale 1, minimum 0: each
-// group holds a 0 and the largest code). Per block, row and group the pass rounds w_j =
+// The integer value passes on rounded weights, each on its target, against the exact attention of
+// an exact problem: int4 on byte weights (AVX2: Int4Output256; AVX3 with VNNI and VBMI:
+// Int4OutputVnni), int8 on 16-bit weights (AVX2: Int8Output256; AVX3 with VNNI: Int8OutputVnni).
+// Integer products as in Int4KeyScoresExactWhereTheRoundingsAre (int8 keys alike: every group of a
+// key holds a 0 and a 255, every channel a 255), with random codes; L = 301: several blocks, the
+// last partial. The scores are exact, so that the pass differs from naive_attention by the weights'
+// rounding and the float pass's own (16u of the output). Values are their codes (scale 1, minimum
+// 0: each group holds a 0 and the largest code). Per block, row and group the pass rounds w_j =
 // P_j·scale_j to a multiple of a step below 2·Pmax·Smax/M (M = 255 bytes, 32767 words;
-// docs/numerics.md), so each w_j moves by less than Pmax·Smax/M, and the output by that times
-// the code the pass multiplies: |code_j − 8| ≤ 8 for int4, code_j ≤ 255 for int8. In final
-// softmax weights p (naive_attention's), Pmax/l is the largest p of the key's block, at most p̂_j
-// = the largest of the 2·block − 1 keys around j (a block has 64 keys on AVX2, 128 on AVX3):
-// |Δo| ≤ (c/M)·Σ_j p̂_j with c the largest code multiplied. That is the worst case, all roundings
-// one way (~20% of the output here); the roundings are independent, each uniform within
-// ±step/2, so Δo has σ ≤ √(Σ_j p̂_j²·c_j²/3)/M, and 6σ is checked too. The pass must differ from
-// the target's pass with the integer value passes turned off (float FMAs, or AVX3's bfloat16
-// dot products for int4) somewhere: else it did not run.
+// docs/numerics.md), so each w_j moves by less than Pmax·Smax/M, and the output by that times the
+// code the pass multiplies: |code_j − 8| ≤ 8 for int4, code_j ≤ 255 for int8. In final softmax
+// weights p (naive_attention's), Pmax/l is the largest p of the key's block, at most p̂_j = the
+// largest of the 2·block − 1 keys around j (an int8/int4 block has 128 keys on both targets): |Δo|
+// ≤ (c/M)·Σ_j p̂_j with c the largest code multiplied. That is the worst case, all roundings one
+// way (~20% of the output here); the roundings are independent, each uniform within ±step/2, so Δo
+// has σ ≤ √(Σ_j p̂_j²·c_j²/3)/M, and 6σ is checked too. The pass must differ from the target's pass
+// with the integer value passes turned off (float FMAs, or AVX3's bfloat16 dot products for int4)
+// somewhere: else it did not run.
 struct ValuePass {
   std::string target;
   int64_t block;  // keys per block
@@ -268,7 +268,7 @@ bool HasTarget(const char* t) {
 
 TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
   std::vector<ValuePass> passes;
-  if (HasTarget("AVX2") && kernels::decode_byte_values()) passes.push_back({"AVX2", 64});
+  if (HasTarget("AVX2") && kernels::decode_byte_values()) passes.push_back({"AVX2", 128});
   if (HasTarget("AVX3") && kernels::decode_vnni_byte_values()) passes.push_back({"AVX3", 128});
   if (passes.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VNNI and VBMI: no byte value pass runs";
   CheckValuePassBound(CacheType::kInt4, passes, base_seed() + 807);

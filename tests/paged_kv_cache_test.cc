@@ -111,13 +111,14 @@ TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
         Tensor want(DType::kF32, {1, Hq, n, pc.head_dim_v});
         attend(qs, alone[s], want.view<float>(), two);
         const View<const float> gs(got.data<float>() + s * Hq * n * pc.head_dim_v, {1, Hq, n, pc.head_dim_v});
-        // Same stored values, the same kernel family: float32 rounding apart (the chunking of
-        // the keys over threads differs); a 16-bit result may round to the neighbouring value.
-        // int4 with bfloat16 dot products rounds P, which depends on the chunk's running maximum,
-        // to bfloat16: the bound of kv_cache_quant_test.cc's QuantDecode, 2^-6. The value passes
-        // on byte weights (AVX2; AVX3 with VNNI) round P·scale on a step of the block's largest
+        // Same stored values, the same kernel family: float32 rounding apart (the chunking of the
+        // keys over threads differs); a 16-bit result may round to the neighbouring value. int4
+        // with bfloat16 dot products rounds P, which depends on the chunk's running maximum, to
+        // bfloat16: the bound of kv_cache_quant_test.cc's QuantDecode, 2^-6. The value passes on
+        // byte weights (AVX2; AVX3 with VNNI) round P·scale on a step of the block's largest
         // (norm-wise ~2^-8, docs/numerics.md; measured ≤ 2.3e-3 here): the same bound. int8 values
-        // on 16-bit weights (AVX2; AVX3 with VNNI) the same way on a step of 2^-15: QuantDecode's 2^-9.
+        // on 16-bit weights (AVX2; AVX3 with VNNI) the same way on a step of 2^-15: QuantDecode's
+        // 2^-9.
         const bool bf16_values = type == CacheType::kInt4 && int4_values_rounded();
         const bool word_values = type == CacheType::kInt8 && int8_values_rounded();
         const double bound = type == CacheType::kBF16 ? 1.0 / 128

@@ -51,17 +51,17 @@ HWY_INLINE void StoreWords(hn::Vec<DF> w, int16_t* p) {
 #endif
 }
 
-// The weights of Int8OutputVnni and Int8Output256 for rows r < R (P at pr + r·ldp, the block's
-// keys j < jn) and value groups g < groups: w_j = P_j·scale_g(j) rounded to a multiple of step,
-// u_j = w_j / step, with step the power of two at or above Pmax_r·Smax_g / 32767 (Pmax_r: the
-// row's largest P in the block, from the softmax; Smax_g: the keys' largest scale in the group),
-// so that no word passes 32767: u[(g·R + r)·ldp + j] (zeros from jn up to a whole vector), steps[g·R + r]. A power
-// of two keeps w / step exact. mins[g·R + r] = Σ_j P_j·minimum_g(j). The keys' scales are first
-// transposed into st (as FoldValueWeights does). False where a Pmax is not finite (BlockSoftmax
-// makes it so where a P is not), a scale or a minimum is not finite, or a scale is negative: the
-// float pass then takes the block. steps needs groups · (R + 1). (Centring the codes, as the int4
-// pass does, would halve the worst case of the roundings' effect, 6.0e-4 → 3.3e-4 measured
-// against the float pass, both far below the cache's own error; it took ~5% of the
+// The weights of Int8OutputVnni and Int8Output256 for rows r < R (P at pr + r·ldp, the block's keys
+// j < jn) and value groups g < groups: w_j = P_j·scale_g(j) rounded to a multiple of step, u_j =
+// w_j / step, with step the power of two at or above Pmax_r·Smax_g / 32767 (Pmax_r: the row's
+// largest P in the block, from the softmax; Smax_g: the keys' largest scale in the group), so that
+// no word passes 32767: u[(g·R + r)·ldp + j] (zeros from jn up to a whole vector), steps[g·R + r].
+// A power of two keeps w / step exact. mins[g·R + r] = Σ_j P_j·minimum_g(j). The keys' scales are
+// first transposed into st (as FoldValueWeights does). False where a Pmax is not finite
+// (BlockSoftmax makes it so where a P is not), a scale or a minimum is not finite, or a scale is
+// negative: the float pass then takes the block. steps needs groups · (R + 1). (Centring the codes,
+// as the int4 pass does, would halve the worst case of the roundings' effect, 6.0e-4 → 3.3e-4
+// measured against the float pass, both far below the cache's own error; it took ~5% of the
 // cache-resident step: docs/benchmarks.md.)
 HWY_INLINE bool WordValueWeights(DF d, const float* pr, size_t ldp, size_t R, const float* pmax,
                                  const QuantKv<8>::Row* vrows, size_t jn, size_t groups, float* HWY_RESTRICT st,

@@ -32,16 +32,16 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // The work that paces the kernel's prefetches (LineStream): multiply-adds weighted by what they
-// cost: 4 for a float FMA's (and for bfloat16 dot products, which ran no faster on the Xeon), 2
-// for AVX2's 16-bit integer products (key tiles, and the int4 and int8 value passes), 1 for
-// VNNI's key tiles (four per 32-bit lane at the FMA's rate). The int4 value pass on VNNI (Int4OutputVnni) counts as float: its byte gathers
-// (vpermt2b, a third of the FMA's rate) and nibble splits, with the block's byte weights before
-// it, make its multiply-adds as slow; counted as VNNI's, the int4 step at 256 MiB took 2.94 ms
-// against 2.75 (docs/benchmarks.md). The int8 VNNI value pass (Int8OutputVnni: two products per
-// lane at the FMA's instruction rate) counts 2; 1 or 4 measured the same (4.23–4.31 ms). AMX's
-// bfloat16 key tiles (AmxBf16Scores) count as float too, though they ran ~5× as fast as
-// vdpbf16ps's loop: counted 1, the bfloat16 step at 256 MiB took 6.06 ms against 5.64 (the
-// scores then asked for too few lines, docs/benchmarks.md).
+// cost: 4 for a float FMA's (and for bfloat16 dot products, which ran no faster on the Xeon), 2 for
+// AVX2's 16-bit integer products (key tiles, and the int4 and int8 value passes), 1 for VNNI's key
+// tiles (four per 32-bit lane at the FMA's rate). The int4 value pass on VNNI (Int4OutputVnni)
+// counts as float: its byte gathers (vpermt2b, a third of the FMA's rate) and nibble splits, with
+// the block's byte weights before it, make its multiply-adds as slow; counted as VNNI's, the int4
+// step at 256 MiB took 2.94 ms against 2.75 (docs/benchmarks.md). The int8 VNNI value pass
+// (Int8OutputVnni: two products per lane at the FMA's instruction rate) counts 2; 1 or 4 measured
+// the same (4.23–4.31 ms). AMX's bfloat16 key tiles (AmxBf16Scores) count as float too, though they
+// ran ~5× as fast as vdpbf16ps's loop: counted 1, the bfloat16 step at 256 MiB took 6.06 ms against
+// 5.64 (the scores then asked for too few lines, docs/benchmarks.md).
 constexpr uint64_t kFloatWork = 4, kAvx2IntWork = 2, kVnniWork = 1, kInt4VnniValueWork = 4, kInt8VnniValueWork = 2;
 constexpr float kLog2e = 1.4426950408889634f;
 
