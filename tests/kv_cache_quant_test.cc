@@ -312,11 +312,8 @@ TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
   const bool bf16_values = GetParam().dots && type == CacheType::kInt4 && kernels::decode_bf16_dots();
   const bool byte_query = GetParam().dots && type == CacheType::kInt4 && kernels::decode_int8_dots();
   // int8 values on 16-bit weights (AVX2; AVX3 with VNNI): each weight rounded on a step of 2^-15 of
-  // its block's largest (above).
-  const bool word_values =
-      GetParam().dots && type == CacheType::kInt8 &&
-      ((GetParam().target == "AVX3" && GetParam().vnni && kernels::decode_vnni_word_values()) ||
-       (GetParam().target == "AVX2" && kernels::decode_byte_values()));
+  // its block's largest (above). SetUp's switches (dot products, VNNI) are those the kernel reads.
+  const bool word_values = type == CacheType::kInt8 && int8_values_rounded(GetParam().target);
   const double bound = byte_query        ? 1.0 / (1 << 4)
                        : bf16_values     ? 1.0 / (1 << 6)
                        : word_values     ? 1.0 / (1 << 9)

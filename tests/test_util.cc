@@ -23,10 +23,11 @@ void restore_kernel_switches() {
   kernels::allow_decode_amx(true);
 }
 
-bool int8_values_rounded() {
-  const std::string best = kernels::simd_targets().front();
-  if (best == "AVX2") return kernels::decode_byte_values();
-  return best == "AVX3" && kernels::decode_vnni_word_values();
+bool int8_values_rounded() { return int8_values_rounded(kernels::simd_targets().front()); }
+
+bool int8_values_rounded(const std::string& target) {
+  if (target == "AVX2") return kernels::decode_byte_values();
+  return target == "AVX3" && kernels::decode_vnni_word_values();
 }
 
 bool int4_values_rounded() {

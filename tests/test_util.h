@@ -28,8 +28,10 @@ void restore_kernel_switches();
 // Whether the decode kernel, on its default target, rounds an int4 cache's value pass: its
 // weights to bfloat16 (AVX3, AVX-512 BF16) or to bytes (AVX2, or AVX3 with VNNI and VBMI).
 bool int4_values_rounded();
-// Whether it rounds an int8 cache's value pass: its weights to 16-bit words (AVX3 with VNNI).
+// Whether it rounds an int8 cache's value pass: its weights to 16-bit words (AVX2, or AVX3 with
+// VNNI); on the given target, as the kernel switches now stand (dot products, VNNI, byte values).
 bool int8_values_rounded();
+bool int8_values_rounded(const std::string& target);
 struct RestoreKernelSwitches {
   RestoreKernelSwitches() = default;
   RestoreKernelSwitches(const RestoreKernelSwitches&) = delete;

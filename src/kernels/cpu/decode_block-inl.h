@@ -185,6 +185,20 @@ HWY_INLINE void ScaleAndAddMins(DF d, const float* alpha, const float* mins, siz
   }
 }
 
+// The same for nv vectors (at run time) of one group's columns: where the AVX2 integer value
+// passes (Int4Output256, Int8Output256) start.
+template <size_t RT>
+HWY_INLINE void ScaleAndAddGroupMins(DF d, const float* alpha, const float* mins, size_t nv, float* o, size_t ldo) {
+  const size_t N = hn::Lanes(d);
+  for (size_t r = 0; r < RT; ++r) {
+    const auto a = hn::Set(d, alpha[r]), m = hn::Set(d, mins[r]);
+    for (size_t c = 0; c < nv; ++c) {
+      float* out = o + r * ldo + c * N;
+      hn::StoreU(hn::MulAdd(hn::LoadU(d, out), a, m), d, out);
+    }
+  }
+}
+
 template <class Kv>
 HWY_INLINE void FoldValueWeights(DF d, const float* pr, size_t ldp, size_t R, const typename Kv::Row* vrows, size_t jn,
                                  size_t groups, float* HWY_RESTRICT st, float* HWY_RESTRICT w,

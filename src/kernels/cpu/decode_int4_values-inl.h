@@ -118,11 +118,7 @@ HWY_INLINE void Int4Output256(const uint8_t* u, size_t ldu, const QuantKv<4>::Ro
                               size_t c0, size_t ncols, size_t jn, const float* alpha, const float* mins,
                               const float* steps, float* o, size_t ldo, LineStream& ahead) {
   const size_t nv = kWhole ? 4 : (ncols + 7) / 8;
-  for (size_t r = 0; r < RT; ++r) {
-    const __m256 a = _mm256_set1_ps(alpha[r]), m = _mm256_set1_ps(mins[r]);
-    for (size_t v = 0; v < nv; ++v)
-      _mm256_storeu_ps(o + r * ldo + v * 8, _mm256_fmadd_ps(_mm256_loadu_ps(o + r * ldo + v * 8), a, m));
-  }
+  ScaleAndAddGroupMins<RT>(DF(), alpha, mins, nv, o, ldo);
   const __m256i nibble = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
   // Key pairs [j, j1) into the rows' 16-bit sums.
   auto add_pairs = [&](size_t j, size_t j1, __m256i* lo, __m256i* hi) HWY_ATTR {

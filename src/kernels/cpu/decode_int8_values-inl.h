@@ -166,11 +166,7 @@ HWY_INLINE void Int8Output256(const int16_t* u, size_t ldu, const QuantKv<8>::Ro
                               size_t ldo, LineStream& ahead) {
   static_assert(kCacheQuantGroup == 32, "a group is two halves of 16 columns");
   const size_t nv = (ncols + 7) / 8;
-  for (size_t r = 0; r < RT; ++r) {
-    const __m256 a = _mm256_set1_ps(alpha[r]), m = _mm256_set1_ps(mins[r]);
-    for (size_t v = 0; v < nv; ++v)
-      _mm256_storeu_ps(o + r * ldo + v * 8, _mm256_fmadd_ps(_mm256_loadu_ps(o + r * ldo + v * 8), a, m));
-  }
+  ScaleAndAddGroupMins<RT>(DF(), alpha, mins, nv, o, ldo);
   for (size_t h = 0; h < nv; h += 2) {  // columns 8h .. 8h + 15
     __m256i acc[RT][2];
     for (size_t r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
