@@ -169,10 +169,12 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t la
   const __m256i even_pair = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1, 4,
                                              -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
   const __m256i odd_pair = _mm256_add_epi8(even_pair, _mm256_set1_epi16(2));
+  // The call's multiply-adds (8 keys), asked for once: per group, the call (it clobbers every
+  // vector register) made GCC spill and reload the rows' accumulators around it each time.
+  ahead.Issue(kAvx2IntWork * RT * 8 * kCacheQuantGroup * groups);
   __m256 acc[RT];
   for (size_t r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
   for (size_t g = 0; g < groups; ++g) {
-    ahead.Issue(kAvx2IntWork * RT * 8 * kCacheQuantGroup);  // the group's multiply-adds: 8 keys
     __m256i sum[RT];
     if constexpr (kBits == 4) {
       __m256i pairs[RT];  // 16-bit pair sums of the group's products
