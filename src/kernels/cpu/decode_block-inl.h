@@ -1,11 +1,11 @@
 // The inner loops of the decode kernel (flash_decode.cc) over one block of keys: the scores of N
 // keys for one query row (DotScores from the K rows, StagedScores from keys widened or dequantized
-// into a stage) or, for 16-bit keys on AVX2, every row's (PairedScores), head dim in the lanes and
-// the N sums reduced together; the online softmax of a block's scores (BlockSoftmax: softcap,
+// into a stage) or, for 16-bit keys on AVX2, every row's (GroupedKeyScores), head dim in the lanes
+// and the N sums reduced together; the online softmax of a block's scores (BlockSoftmax: softcap,
 // ALiBi, mask); and the output pass (DecodeOutputCols), value columns in the lanes, each V row
 // loaded once per block and broadcast-multiplied into every row's accumulator (VisibleOutput: one
-// row over only the keys it sees); and the query rows they read (LoadQueryRow). Kv: how K and V
-// are stored (decode_kv-inl.h).
+// row over only the keys it sees); and the query rows they read (LoadQueryRow). Kv: how K and V are
+// stored (decode_kv-inl.h).
 #if defined(MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_BLOCK_INL_H_
@@ -462,17 +462,17 @@ HWY_INLINE hn::Vec<DF> DotScores(DF d, bool tail, const float* q, const Kv& kv, 
   return tail ? DotScores<true>(d, q, kv, krows, depth) : DotScores<false>(d, q, kv, krows, depth);
 }
 
-// Whether the scores of Kv's keys take PairedScores: bfloat16 and float16 keys on AVX2, whose 16
-// registers fit two keys' accumulators for kTileRows rows. Float32 keys keep DotScores, which
-// reads 8 key rows at once: paired, the float32 step from memory took 6–8% longer on an AMD EPYC
-// (docs/benchmarks.md).
+// Whether the scores of Kv's keys take GroupedKeyScores: bfloat16 and float16 keys on AVX2,
+// whose 16 registers fit three keys' accumulators for kTileRows rows. Float32 keys keep
+// DotScores, which reads 8 key rows at once: two keys at a time, the float32 step from memory took
+// 6–8% longer on an AMD EPYC (docs/benchmarks.md).
 template <class Kv>
-constexpr bool PairsKeys() {
+constexpr bool GroupKeys() {
   return HWY_TARGET == HWY_AVX2 && (std::is_same_v<Kv, PlainKv<bfloat16>> || std::is_same_v<Kv, PlainKv<float16>>);
 }
 
 // Keeps v in a register: the compiler may not fold the load that made it into each
-// instruction that reads it (GCC 12 did, loading PairedScores's query vectors once per key).
+// instruction that reads it (GCC 12 did, loading GroupedKeyScores's query vectors once per key).
 template <class V>
 HWY_INLINE void KeepInRegister(V& v) {
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
@@ -482,17 +482,20 @@ HWY_INLINE void KeepInRegister(V& v) {
 #endif
 }
 
-// S[r][x] for the query rows [0, R) (rows ldq apart from q) and the N keys krows[x] (N even),
-// into s + r·lds: two keys at a time against up to kTileRows rows, each vector of a key loaded
-// (and widened) once for those rows. Per 8 multiply-adds that is 2 key and 4 query loads, where
-// DotScores and StagedScores load 9 (and StagedScores writes its stage first): the
-// cache-resident bfloat16 and float16 steps took 10–13% less time on an AMD EPYC's AVX2
-// (docs/benchmarks.md). Per row and key the products, their order and the sum across lanes are
-// DotScores's: the same bits. Each pair asks `ahead` for its share of the next block's lines:
-// asked per tile of N keys, a bfloat16 block's were bursts of 32 prefetches, and the steps from
-// memory took 4–9% longer (bfloat16), 1–5% (float16) on the AMD EPYC (docs/benchmarks.md).
+// S[r][x] for the query rows [0, R) (rows ldq apart from q) and the N keys krows[x], into
+// s + r·lds: three keys at a time (the last two of 8 as a pair) against up to kTileRows rows,
+// each vector of a key loaded (and widened) once for those rows. Per 12 multiply-adds that is 3
+// key and 4 query loads, where DotScores and StagedScores load 13 (and StagedScores writes its
+// stage first). Two keys at a time (8 accumulators, as many as FMA's latency of 4 cycles
+// needs at 2 a cycle) took the cache-resident bfloat16 and float16 steps 10–13% below
+// StagedScores on an AMD EPYC's AVX2; three (12 accumulators) took the bfloat16 step ~4% lower
+// again, float16's the same (docs/benchmarks.md). Per row and key the products, their order and
+// the sum across lanes are DotScores's: the same bits. Each group of keys asks `ahead` for its
+// share of the next block's lines: asked per tile of N keys, a bfloat16 block's were bursts of 32
+// prefetches, and the steps from memory took 4–9% longer (bfloat16), 1–5% (float16) on the AMD
+// EPYC (docs/benchmarks.md).
 template <bool kTail, class Kv>
-HWY_INLINE void PairedScores(DF d, const float* q, size_t ldq, int64_t R, const Kv& kv,
+HWY_INLINE void GroupedKeyScores(DF d, const float* q, size_t ldq, int64_t R, const Kv& kv,
                              const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
                              LineStream& ahead) {
   using V = hn::Vec<DF>;
@@ -502,30 +505,37 @@ HWY_INLINE void PairedScores(DF d, const float* q, size_t ldq, int64_t R, const 
       constexpr size_t RT = decltype(rt)::value;
       const float* qr = q + r0 * static_cast<int64_t>(ldq);
       V acc[RT][hn::MaxLanes(DF())];
-      for (size_t x = 0; x < N; x += 2) {
-        ahead.Issue(kFloatWork * RT * 2 * depth);
-        V a[RT], b[RT];
-        for (size_t r = 0; r < RT; ++r) a[r] = b[r] = hn::Zero(d);
+      // K keys from x: each vector of theirs loaded once for the RT rows.
+      auto keys = [&](size_t x, auto kk) HWY_ATTR {
+        constexpr size_t K = decltype(kk)::value;
+        ahead.Issue(kFloatWork * RT * K * depth);
+        V a[RT][K];
+        for (size_t r = 0; r < RT; ++r)
+          for (size_t k = 0; k < K; ++k) a[r][k] = hn::Zero(d);
         for (size_t c = 0; c < full; c += N) {
-          const V k0 = kv.Load(d, krows[x], c), k1 = kv.Load(d, krows[x + 1], c);
+          V kc[K];
+          for (size_t k = 0; k < K; ++k) kc[k] = kv.Load(d, krows[x + k], c);
           for (size_t r = 0; r < RT; ++r) {
             V qc = hn::Load(d, qr + r * ldq + c);
             KeepInRegister(qc);
-            a[r] = hn::MulAdd(qc, k0, a[r]);
-            b[r] = hn::MulAdd(qc, k1, b[r]);
+            for (size_t k = 0; k < K; ++k) a[r][k] = hn::MulAdd(qc, kc[k], a[r][k]);
           }
         }
         if (kTail) {  // the query is zero past depth (padded)
-          const V k0 = kv.LoadPartial(d, krows[x], full, depth - full);
-          const V k1 = kv.LoadPartial(d, krows[x + 1], full, depth - full);
+          V kc[K];
+          for (size_t k = 0; k < K; ++k) kc[k] = kv.LoadPartial(d, krows[x + k], full, depth - full);
           for (size_t r = 0; r < RT; ++r) {
             const V qc = hn::Load(d, qr + r * ldq + full);
-            a[r] = hn::MulAdd(qc, k0, a[r]);
-            b[r] = hn::MulAdd(qc, k1, b[r]);
+            for (size_t k = 0; k < K; ++k) a[r][k] = hn::MulAdd(qc, kc[k], a[r][k]);
           }
         }
-        for (size_t r = 0; r < RT; ++r) acc[r][x] = a[r], acc[r][x + 1] = b[r];
-      }
+        for (size_t r = 0; r < RT; ++r)
+          for (size_t k = 0; k < K; ++k) acc[r][x + k] = a[r][k];
+      };
+      size_t x = 0;
+      for (; x + 3 <= N; x += 3) keys(x, std::integral_constant<size_t, 3>());
+      if (N - x == 2) keys(x, std::integral_constant<size_t, 2>());
+      if (N - x == 1) keys(x, std::integral_constant<size_t, 1>());
       for (size_t r = 0; r < RT; ++r) {
         hn::Store(SumLanesOfEach(d, acc[r]), d, s + (r0 + static_cast<int64_t>(r)) * static_cast<int64_t>(lds));
       }
@@ -533,15 +543,15 @@ HWY_INLINE void PairedScores(DF d, const float* q, size_t ldq, int64_t R, const 
   }
 }
 
-// PairedScores with a partial last vector or not, as tail says.
+// GroupedKeyScores with a partial last vector or not, as tail says.
 template <class Kv>
-HWY_INLINE void PairedScores(DF d, bool tail, const float* q, size_t ldq, int64_t R, const Kv& kv,
+HWY_INLINE void GroupedKeyScores(DF d, bool tail, const float* q, size_t ldq, int64_t R, const Kv& kv,
                              const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
                              LineStream& ahead) {
   if (tail) {
-    PairedScores<true>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
+    GroupedKeyScores<true>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
   } else {
-    PairedScores<false>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
+    GroupedKeyScores<false>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
   }
 }
 

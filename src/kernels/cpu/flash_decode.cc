@@ -54,9 +54,9 @@ using decode::kLog2e;
 using decode::kNegInf;
 using decode::kOutVecs;
 using decode::kTileRows;
+using decode::GroupedKeyScores;
 using decode::LoadQueryRow;
 using decode::Merge;
-using decode::PairedScores;
 using decode::PlainKv;
 using decode::QuantKv;
 using decode::StagedScores;
@@ -226,8 +226,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   typename Kv::Row krows[hn::MaxLanes(DF())];
   typename Kv::Row vrows[kBlockVecs<Kv> * hn::MaxLanes(DF())];
   // Keys not of float are widened or dequantized once per N keys into a stage interleaved by
-  // vector, which every query row reads (StagedScores; AVX2 reads them in pairs: PairedScores).
-  constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles && !decode::PairsKeys<Kv>();
+  // vector, which every query row reads (StagedScores; on AVX2, GroupedKeyScores: no stage).
+  constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles && !decode::GroupKeys<Kv>();
   float* kstage = kStage ? ws.get<float>(Workspace::kDecodeKeyStage, N * ldq) : nullptr;
   // int8/int4 values on AVX2: the value pass's weights with the groups' scales folded in
   // (FoldValueWeights), per group of the padded value row.
@@ -375,8 +375,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           ahead.Issue(decode::kFloatWork * N * depth);
           hn::Store(StagedScores(d, qs + r * ldq, kstage, ldq / N), d, s + r * block + kb * N);
         }
-      } else if constexpr (decode::PairsKeys<Kv>()) {
-        PairedScores(d, tail, qs, ldq, R, kv, krows, depth, s + kb * N, block, ahead);
+      } else if constexpr (decode::GroupKeys<Kv>()) {
+        GroupedKeyScores(d, tail, qs, ldq, R, kv, krows, depth, s + kb * N, block, ahead);
       } else {
         for (int64_t r = 0; r < R; ++r) {
           ahead.Issue(decode::kFloatWork * N * depth);
