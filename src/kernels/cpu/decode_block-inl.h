@@ -1,6 +1,6 @@
 // The inner loops of the decode kernel (flash_decode.cc) over one block of keys: the scores of N
 // keys for one query row (DotScores from the K rows, StagedScores from keys widened or dequantized
-// into a stage) or, for 16-bit keys on AVX2, every row's (GroupedKeyScores), head dim in the lanes
+// into a stage) or, for plain keys on AVX2, every row's (GroupedKeyScores), head dim in the lanes
 // and the N sums reduced together; the online softmax of a block's scores (BlockSoftmax: softcap,
 // ALiBi, mask); and the output pass (DecodeOutputCols), value columns in the lanes, each V row
 // loaded once per block and broadcast-multiplied into every row's accumulator (VisibleOutput: one
@@ -462,13 +462,15 @@ HWY_INLINE hn::Vec<DF> DotScores(DF d, bool tail, const float* q, const Kv& kv, 
   return tail ? DotScores<true>(d, q, kv, krows, depth) : DotScores<false>(d, q, kv, krows, depth);
 }
 
-// Whether the scores of Kv's keys take GroupedKeyScores: bfloat16 and float16 keys on AVX2,
-// whose 16 registers fit three keys' accumulators for kTileRows rows. Float32 keys keep
-// DotScores, which reads 8 key rows at once: two keys at a time, the float32 step from memory took
-// 6–8% longer on an AMD EPYC (docs/benchmarks.md).
+// Whether the scores of Kv's keys take GroupedKeyScores: float32, bfloat16 and float16 keys on
+// AVX2, whose 16 registers fit three keys' accumulators for kTileRows rows. (Two keys at a time,
+// float32 keys had stayed with DotScores, which reads 8 key rows per query row: paired, the
+// float32 step from memory took 6–8% longer on an AMD EPYC; three at a time it took 6–8% less,
+// docs/benchmarks.md.)
 template <class Kv>
 constexpr bool GroupKeys() {
-  return HWY_TARGET == HWY_AVX2 && (std::is_same_v<Kv, PlainKv<bfloat16>> || std::is_same_v<Kv, PlainKv<float16>>);
+  return HWY_TARGET == HWY_AVX2 && (std::is_same_v<Kv, PlainKv<float>> || std::is_same_v<Kv, PlainKv<bfloat16>> ||
+                                    std::is_same_v<Kv, PlainKv<float16>>);
 }
 
 // Keeps v in a register: the compiler may not fold the load that made it into each
@@ -482,18 +484,18 @@ HWY_INLINE void KeepInRegister(V& v) {
 #endif
 }
 
-// S[r][x] for the query rows [0, R) (rows ldq apart from q) and the N keys krows[x], into
-// s + r·lds: three keys at a time (the last two of 8 as a pair) against up to kTileRows rows,
-// each vector of a key loaded (and widened) once for those rows. Per 12 multiply-adds that is 3
-// key and 4 query loads, where DotScores and StagedScores load 13 (and StagedScores writes its
-// stage first). Two keys at a time (8 accumulators, as many as FMA's latency of 4 cycles
-// needs at 2 a cycle) took the cache-resident bfloat16 and float16 steps 10–13% below
-// StagedScores on an AMD EPYC's AVX2; three (12 accumulators) took the bfloat16 step ~4% lower
-// again, float16's the same (docs/benchmarks.md). Per row and key the products, their order and
-// the sum across lanes are DotScores's: the same bits. Each group of keys asks `ahead` for its
-// share of the next block's lines: asked per tile of N keys, a bfloat16 block's were bursts of 32
-// prefetches, and the steps from memory took 4–9% longer (bfloat16), 1–5% (float16) on the AMD
-// EPYC (docs/benchmarks.md).
+// S[r][x] for the query rows [0, R) (rows ldq apart from q) and the N keys krows[x], into s +
+// r·lds: three keys at a time (the last two of 8 as a pair) against up to kTileRows rows, each
+// vector of a key loaded (and widened) once for those rows. Per 12 multiply-adds that is 3 key and
+// 4 query loads, where DotScores loads 12 key and 1.5 query vectors (and StagedScores writes its
+// stage first). Two keys at a time (8 accumulators, just as many as FMA's latency of 4 cycles needs
+// at 2 a cycle) took the cache-resident bfloat16 and float16 steps 10–13% below StagedScores on an
+// AMD EPYC's AVX2; three (12 accumulators) took the bfloat16 step ~4% lower again, float16's the
+// same, and the float32 step from memory 6–8% below DotScores's (docs/benchmarks.md). Per row and
+// key the products, their order and the sum across lanes are DotScores's: the same bits. Each group
+// of keys asks `ahead` for its share of the next block's lines: asked per tile of N keys, a
+// bfloat16 block's were bursts of 32 prefetches, and the steps from memory took 4–9% longer
+// (bfloat16), 1–5% (float16) on the AMD EPYC (docs/benchmarks.md).
 template <bool kTail, class Kv>
 HWY_INLINE void GroupedKeyScores(DF d, const float* q, size_t ldq, int64_t R, const Kv& kv,
                              const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
