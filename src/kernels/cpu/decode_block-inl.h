@@ -498,8 +498,8 @@ HWY_INLINE void KeepInRegister(V& v) {
 // (bfloat16), 1–5% (float16) on the AMD EPYC (docs/benchmarks.md).
 template <bool kTail, class Kv>
 HWY_INLINE void GroupedKeyScores(DF d, const float* q, size_t ldq, int64_t R, const Kv& kv,
-                             const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
-                             LineStream& ahead) {
+                                 const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
+                                 LineStream& ahead) {
   using V = hn::Vec<DF>;
   const size_t N = hn::Lanes(d), full = kTail ? depth / N * N : depth;
   for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
@@ -548,8 +548,8 @@ HWY_INLINE void GroupedKeyScores(DF d, const float* q, size_t ldq, int64_t R, co
 // GroupedKeyScores with a partial last vector or not, as tail says.
 template <class Kv>
 HWY_INLINE void GroupedKeyScores(DF d, bool tail, const float* q, size_t ldq, int64_t R, const Kv& kv,
-                             const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
-                             LineStream& ahead) {
+                                 const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
+                                 LineStream& ahead) {
   if (tail) {
     GroupedKeyScores<true>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
   } else {
