@@ -186,12 +186,8 @@ TEST(KvCacheQuantAccuracy, Int4KeyScoresExactWhereTheRoundingsAre) {
 // has σ ≤ √(Σ_j p̂_j²·c_j²/3)/M, and 6σ is checked too. The pass must differ from the target's pass
 // with the integer value passes turned off (float FMAs, or AVX3's bfloat16 dot products for int4)
 // somewhere: else it did not run.
-struct ValuePass {
-  std::string target;
-  int64_t block;  // keys per block
-};
-
-void CheckValuePassBound(CacheType type, const std::vector<ValuePass>& passes, uint64_t seed) {
+void CheckValuePassBound(CacheType type, const std::vector<std::string>& targets, uint64_t seed) {
+  constexpr int64_t kBlock = 128;  // keys per int8/int4 block, on both targets
   const bool int4 = type == CacheType::kInt4;
   const int64_t top = int4 ? 15 : 255, offset = int4 ? 8 : 0;  // the pass multiplies code − offset
   const double levels = int4 ? 255 : 32767;
@@ -218,7 +214,7 @@ void CheckValuePassBound(CacheType type, const std::vector<ValuePass>& passes, u
   AttentionOptions options;
   options.scale = 1.0f / 1024;
   const NaiveResult want = naive_attention({q.view<float>(), k.view<float>(), v.view<float>()}, options);
-  for (const auto& [target, block] : passes) {
+  for (const std::string& target : targets) {
     SCOPED_TRACE(target);
     Tensor rounded(DType::kF32, {1, G, 1, D}), other(DType::kF32, {1, G, 1, D});
     const RestoreKernelSwitches restore;
@@ -232,7 +228,7 @@ void CheckValuePassBound(CacheType type, const std::vector<ValuePass>& passes, u
       const double* p = want.weights.data() + h * L;
       std::vector<double> near(L);  // p̂_j
       for (int64_t j = 0; j < L; ++j)
-        near[j] = *std::max_element(p + std::max<int64_t>(0, j - block + 1), p + std::min(L, j + block));
+        near[j] = *std::max_element(p + std::max<int64_t>(0, j - kBlock + 1), p + std::min(L, j + kBlock));
       double worst_case = 0;
       const double largest = static_cast<double>(std::max(offset, top - offset));  // |code − offset|
       for (int64_t j = 0; j < L; ++j) worst_case += largest / levels * near[j];
@@ -267,19 +263,19 @@ bool HasTarget(const char* t) {
 }
 
 TEST(KvCacheQuantAccuracy, Int4ByteValuesWithinTheirBound) {
-  std::vector<ValuePass> passes;
-  if (HasTarget("AVX2") && kernels::decode_byte_values()) passes.push_back({"AVX2", 128});
-  if (HasTarget("AVX3") && kernels::decode_vnni_byte_values()) passes.push_back({"AVX3", 128});
-  if (passes.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VNNI and VBMI: no byte value pass runs";
-  CheckValuePassBound(CacheType::kInt4, passes, base_seed() + 807);
+  std::vector<std::string> targets;
+  if (HasTarget("AVX2") && kernels::decode_byte_values()) targets.push_back("AVX2");
+  if (HasTarget("AVX3") && kernels::decode_vnni_byte_values()) targets.push_back("AVX3");
+  if (targets.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VNNI and VBMI: no byte value pass runs";
+  CheckValuePassBound(CacheType::kInt4, targets, base_seed() + 807);
 }
 
 TEST(KvCacheQuantAccuracy, Int8WordValuesWithinTheirBound) {
-  std::vector<ValuePass> passes;
-  if (HasTarget("AVX2") && kernels::decode_byte_values()) passes.push_back({"AVX2", 128});
-  if (HasTarget("AVX3") && kernels::decode_vnni_word_values()) passes.push_back({"AVX3", 128});
-  if (passes.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VNNI: no word value pass runs";
-  CheckValuePassBound(CacheType::kInt8, passes, base_seed() + 808);
+  std::vector<std::string> targets;
+  if (HasTarget("AVX2") && kernels::decode_byte_values()) targets.push_back("AVX2");
+  if (HasTarget("AVX3") && kernels::decode_vnni_word_values()) targets.push_back("AVX3");
+  if (targets.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VNNI: no word value pass runs";
+  CheckValuePassBound(CacheType::kInt8, targets, base_seed() + 808);
 }
 
 // The error of decoding from a quantized cache against a float32 cache of the same keys and
