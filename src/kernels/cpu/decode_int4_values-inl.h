@@ -124,10 +124,9 @@ HWY_INLINE void Int4Output256(const uint8_t* u, size_t ldu, const QuantKv<4>::Ro
   auto add_pairs = [&](size_t j, size_t j1, __m256i* lo, __m256i* hi) HWY_ATTR {
     for (; j < j1; j += 2) {
       ahead.Issue(kAvx2IntWork * 2 * RT * ncols);
-      // An odd last key pairs with itself, weighted by u[jn] = 0.
+      // An odd last key pairs with itself (vrows[jn]), weighted by u[jn] = 0.
       const __m128i xa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(QuantKv<4>::Columns(vrows[j], c0).codes));
-      const __m128i xb = _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(QuantKv<4>::Columns(vrows[std::min(j + 1, jn - 1)], c0).codes));
+      const __m128i xb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(QuantKv<4>::Columns(vrows[j + 1], c0).codes));
       const __m256i x = _mm256_set_m128i(_mm_unpackhi_epi8(xa, xb), _mm_unpacklo_epi8(xa, xb));
       const __m256i cl = _mm256_sub_epi8(_mm256_and_si256(x, nibble), eight);
       const __m256i ch = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x, 4), nibble), eight);
@@ -182,9 +181,9 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
   const __m512i second = _mm512_set1_epi32(0x00100000);  // word 2i + 1: key j + 1's half of the table
   const __m512i nibble = _mm512_set1_epi32(0x000F000F);
   for (size_t j = 0; j < jn; j += 2) {
-    // An odd last key pairs with itself, weighted by P[jn] = 0 (masked: keys past jn are -inf).
+    // An odd last key pairs with itself (vrows[jn]), weighted by P[jn] = 0 (masked: keys past jn are -inf).
     const QuantKv<4>::Row a = QuantKv<4>::Columns(vrows[j], c0);
-    const QuantKv<4>::Row b = QuantKv<4>::Columns(vrows[std::min(j + 1, jn - 1)], c0);
+    const QuantKv<4>::Row b = QuantKv<4>::Columns(vrows[j + 1], c0);
     ahead.Issue(kFloatWork * 2 * RG * NV * 16);
     for (size_t g = 0; g < NG; ++g) {
       const __m512 ta = _mm512_fmadd_ps(iota, _mm512_set1_ps(a.scales[2 * g]), _mm512_set1_ps(a.scales[2 * g + 1]));

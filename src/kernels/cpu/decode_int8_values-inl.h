@@ -119,7 +119,7 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void Int8OutputVnni(
   for (size_t j = 0; j < jn; j += 2) {  // u holds zeros from jn up to a whole vector
     ahead.Issue(kInt8VnniValueWork * 2 * RT * NV * 16);
     const uint8_t* p0 = QuantKv<8>::Columns(vrows[j], c0).codes;
-    const uint8_t* p1 = QuantKv<8>::Columns(vrows[std::min(j + 1, jn - 1)], c0).codes;  // past jn: weighted 0
+    const uint8_t* p1 = QuantKv<8>::Columns(vrows[j + 1], c0).codes;  // vrows[jn]: weighted 0
     __m512i x[2 * NG];
     for (size_t g = 0; g < NG; ++g) {  // rows hold whole groups: 32 bytes each
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * g));
@@ -175,10 +175,10 @@ HWY_INLINE void Int8Output256(const int16_t* u, size_t ldu, const QuantKv<8>::Ro
     for (size_t r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (size_t j = 0; j < jn; j += 2) {  // u holds zeros from jn up to a whole vector
       ahead.Issue(kAvx2IntWork * 2 * RT * 16);
-      // Rows hold whole groups: 16 bytes from 8h are there. An odd last key pairs with itself,
-      // weighted by u[jn] = 0.
+      // Rows hold whole groups: 16 bytes from 8h are there. An odd last key pairs with itself
+      // (vrows[jn]), weighted by u[jn] = 0.
       const uint8_t* pa = QuantKv<8>::Columns(vrows[j], c0).codes + 8 * h;
-      const uint8_t* pb = QuantKv<8>::Columns(vrows[std::min(j + 1, jn - 1)], c0).codes + 8 * h;
+      const uint8_t* pb = QuantKv<8>::Columns(vrows[j + 1], c0).codes + 8 * h;
       const __m256i wa = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pa)));
       const __m256i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb)));
       const __m256i x0 = _mm256_blend_epi16(wa, _mm256_slli_epi32(wb, 16), 0xAA);  // columns 0, 2 .. 14: (a, b)

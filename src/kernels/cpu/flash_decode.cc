@@ -88,13 +88,11 @@ constexpr size_t kBlockVecs = HWY_TARGET == HWY_AVX2 && Kv::kKeyTiles ? 16 : 8;
 constexpr int64_t kMaxChunkKeys = int64_t{1} << 16;  // keys per chunk at most (a multiple of any block)
 
 struct Split {
-  int64_t parts;       // chunks per (b, kv head)
-  int64_t chunk;       // keys per chunk, a multiple of the block
+  int64_t parts, chunk;  // chunks per (b, kv head); keys per chunk, a multiple of the block
 };
 
 Split ChooseSplit(const AttentionParams& p, size_t block) {
-  // Enough tasks for the machine's cores when B·Hkv is small, chunks of >= 256 keys: a function
-  // of the shape only.
+  // Enough tasks for the cores when B·Hkv is small, chunks of >= 256 keys; of the shape alone.
   const int64_t heads = p.batch * p.kv_heads;
   int64_t parts = std::max<int64_t>(1, std::min<int64_t>((8 + heads - 1) / heads, (p.kv_len + 255) / 256));
   // A chunk sums at most kMaxChunkKeys keys in float (o and l stay accurate: 2^24 terms of 1.0
@@ -224,7 +222,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   if constexpr (Kv::kKeyTiles) ua = ua / static_cast<int64_t>(N) * static_cast<int64_t>(N);
   const Kv kv(p, b, hk);
   typename Kv::Row krows[hn::MaxLanes(DF())];
-  typename Kv::Row vrows[kBlockVecs<Kv> * hn::MaxLanes(DF())];
+  typename Kv::Row vrows[kBlockVecs<Kv> * hn::MaxLanes(DF()) + 1];
   // Keys not of float are widened or dequantized once per N keys into a stage interleaved by
   // vector, which every query row reads (StagedScores; on AVX2, GroupedKeyScores: no stage).
   constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles && !decode::GroupKeys<Kv>();
@@ -388,8 +386,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     // Softcap and ALiBi, mask, then the online softmax of each row.
     decode::BlockSoftmax<kBlockVecs<Kv>>(d, p, b, hk, rows, R, j0, jn, seen, s, m, l, alpha,
                                          int_values ? pmax : nullptr);
-    // The block's value rows, found once for every pass below.
+    // The block's value rows, found once for every pass below; at jn the last again, an odd last
+    // key's partner (weighted 0) in the passes that take keys by pairs.
     for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
+    vrows[jn] = vrows[jn - 1];
     // A key of the block that a row does not see (a window's first block, a causal last block of
     // several queries, a sink gap; for key tiles, keys before the first, read from a multiple of
     // N) has P = 0 in that row, and 0 times a non-finite value is NaN. For such blocks the rows'
