@@ -386,10 +386,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     // Softcap and ALiBi, mask, then the online softmax of each row.
     decode::BlockSoftmax<kBlockVecs<Kv>>(d, p, b, hk, rows, R, j0, jn, seen, s, m, l, alpha,
                                          int_values ? pmax : nullptr);
-    // The block's value rows, found once for every pass below; at jn the last again, an odd last
-    // key's partner (weighted 0) in the passes that take keys by pairs.
+    // The block's value rows, found once for every pass below; quantized (QuantKv), at jn the
+    // last again: an odd last key's partner (weighted 0) in the passes that take keys by pairs.
     for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
-    vrows[jn] = vrows[jn - 1];
+    if constexpr (Kv::kKeyTiles) vrows[jn] = vrows[jn - 1];
     // A key of the block that a row does not see (a window's first block, a causal last block of
     // several queries, a sink gap; for key tiles, keys before the first, read from a multiple of
     // N) has P = 0 in that row, and 0 times a non-finite value is NaN. For such blocks the rows'
