@@ -181,7 +181,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
   const __m512i second = _mm512_set1_epi32(0x00100000);  // word 2i + 1: key j + 1's half of the table
   const __m512i nibble = _mm512_set1_epi32(0x000F000F);
   for (size_t j = 0; j < jn; j += 2) {
-    // An odd last key pairs with itself (vrows[jn]), weighted by P[jn] = 0 (masked: keys past jn are -inf).
+    // An odd last key pairs with itself (vrows[jn]), weighted by P[jn] = 0 (masked: keys past jn
+    // are -inf).
     const QuantKv<4>::Row a = QuantKv<4>::Columns(vrows[j], c0);
     const QuantKv<4>::Row b = QuantKv<4>::Columns(vrows[j + 1], c0);
     ahead.Issue(kFloatWork * 2 * RG * NV * 16);

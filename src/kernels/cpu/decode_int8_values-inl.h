@@ -161,8 +161,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void Int8OutputVnni(
 // (Interleaving the bytes first, then widening in registers, took 2 lane-crossing vpmovzxbw per
 // key pair on the vector pipes: the int8 step at L = 2048, 1 thread, took ~3% longer.) Half a
 // group at a time: 4 rows × 2 vectors of sums fit the 16 registers with the codes and a weight.
-// The sums stay exact in int32 over a block (kWordPassKeys), then are converted and added into
-// O in float, times the step, once, even and odd columns split from O and joined back.
+// The sums stay exact in int32 over a block (kWordPassKeys), then are converted, their even and
+// odd columns joined back in order, and added into O in float, times the step, once.
 template <size_t RT>
 HWY_INLINE void Int8Output256(const int16_t* u, size_t ldu, const QuantKv<8>::Row* vrows, size_t c0, size_t ncols,
                               size_t jn, const float* alpha, const float* mins, const float* steps, float* o,
