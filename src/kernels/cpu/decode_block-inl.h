@@ -246,11 +246,19 @@ HWY_INLINE void SplitPairs(DF d, const float* p, hn::Vec<DF>& even, hn::Vec<DF>&
   even = hn::ConcatEven(d, hi, lo);
   odd = hn::ConcatOdd(d, hi, lo);
 }
-// SplitPairs undone: even and odd columns stored at p interleaved (AVX2's 128-bit halves).
-HWY_INLINE void JoinPairs(DF d, hn::Vec<DF> even, hn::Vec<DF> odd, float* p) {
+// SplitPairs undone: the even and the odd columns interleaved into columns [0, N) (first) and
+// [N, 2N) (second), through AVX2's 128-bit halves. Also joins Int8Output256's sums.
+HWY_INLINE void JoinedPairs(DF d, hn::Vec<DF> even, hn::Vec<DF> odd, hn::Vec<DF>& first, hn::Vec<DF>& second) {
   const auto lo = hn::InterleaveLower(d, even, odd), hi = hn::InterleaveUpper(d, even, odd);
-  hn::Store(hn::ConcatLowerLower(d, hi, lo), d, p);
-  hn::Store(hn::ConcatUpperUpper(d, hi, lo), d, p + hn::Lanes(d));
+  first = hn::ConcatLowerLower(d, hi, lo);
+  second = hn::ConcatUpperUpper(d, hi, lo);
+}
+// The same, stored at p.
+HWY_INLINE void JoinPairs(DF d, hn::Vec<DF> even, hn::Vec<DF> odd, float* p) {
+  hn::Vec<DF> first, second;
+  JoinedPairs(d, even, odd, first, second);
+  hn::Store(first, d, p);
+  hn::Store(second, d, p + hn::Lanes(d));
 }
 #else
 constexpr bool kBf16Pairs = false;  // elsewhere the pass widens (these are never called)

@@ -168,8 +168,10 @@ HWY_INLINE void Int8Output256(const int16_t* u, size_t ldu, const QuantKv<8>::Ro
                               size_t jn, const float* alpha, const float* mins, const float* steps, float* o,
                               size_t ldo, LineStream& ahead) {
   static_assert(kCacheQuantGroup == 32, "a group is two halves of 16 columns");
+  using VI = hn::Vec<hn::RebindToSigned<DF>>;
+  const DF d;
   const size_t nv = (ncols + 7) / 8;
-  ScaleAndAddGroupMins<RT>(DF(), alpha, mins, nv, o, ldo);
+  ScaleAndAddGroupMins<RT>(d, alpha, mins, nv, o, ldo);
   for (size_t h = 0; h < nv; h += 2) {  // columns 8h .. 8h + 15
     __m256i acc[RT][2];
     for (size_t r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
@@ -192,14 +194,11 @@ HWY_INLINE void Int8Output256(const int16_t* u, size_t ldu, const QuantKv<8>::Ro
       }
     }
     for (size_t r = 0; r < RT; ++r) {
-      const __m256 st = _mm256_set1_ps(steps[r]);
-      const __m256 even = _mm256_cvtepi32_ps(acc[r][0]), odd = _mm256_cvtepi32_ps(acc[r][1]);
-      // Columns 0-3, 8-11 and 4-7, 12-15 (by 128-bit lanes), then 0-7 and 8-15.
-      const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
-      const __m256 sum[2] = {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
+      hn::Vec<DF> sum[2];  // the even and odd columns joined: columns 0-7 and 8-15
+      JoinedPairs(d, hn::ConvertTo(d, VI{acc[r][0]}), hn::ConvertTo(d, VI{acc[r][1]}), sum[0], sum[1]);
       for (size_t v = h; v < std::min(nv, h + 2); ++v) {
         float* out = o + r * ldo + v * 8;
-        _mm256_storeu_ps(out, _mm256_fmadd_ps(sum[v - h], st, _mm256_loadu_ps(out)));
+        hn::StoreU(hn::MulAdd(sum[v - h], hn::Set(d, steps[r]), hn::LoadU(d, out)), d, out);
       }
     }
   }
