@@ -2,11 +2,13 @@
 // KvCache per sequence holding the same positions (every storage type, GQA, windows, page
 // sizes, the decode kernel and the many-query fallback, any thread count); fork shares pages and
 // copies a shared partial page on write; freeing, the window and a full pool keep the pool
-// consistent; bad ids are errors.
+// consistent; bad ids are errors; a random walk of all of these against a model of the pool.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -229,6 +231,221 @@ TEST(PagedKvCache, WindowReleasesPagesAndAFullPoolChangesNothing) {
     EXPECT_TRUE(std::isnan(o2.view<float>().at(1, 0, 0, e)));
   }
   expect_error([&] { cache.references(4); }, {"references", "page 4", "[0, 4)"});
+}
+
+// What a test expects of one sequence: every position's stored (dequantized) keys and values,
+// (Hkv, length, D), also those a window has dropped from the pool.
+struct ModelSequence {
+  Tensor k, v;  // undefined while the sequence is empty
+  int64_t length() const { return k.defined() ? k.shape()[1] : 0; }
+  ModelSequence copy() const { return k.defined() ? ModelSequence{k.clone(), v.clone()} : ModelSequence{}; }
+};
+
+// x (Hkv, L, D; undefined: no rows) with the rows of y (Hkv, n, D) after them.
+Tensor concat_rows(const Tensor& x, const Tensor& y) {
+  if (!x.defined()) return y.clone();
+  const int64_t H = y.shape()[0], L = x.shape()[1], n = y.shape()[1], D = y.shape()[2];
+  Tensor out(DType::kF32, {H, L + n, D});
+  for (int64_t h = 0; h < H; ++h) {
+    std::copy_n(x.data<float>() + h * L * D, L * D, out.data<float>() + h * (L + n) * D);
+    std::copy_n(y.data<float>() + h * n * D, n * D, out.data<float>() + (h * (L + n) + L) * D);
+  }
+  return out;
+}
+
+// Whether got (Hkv, L - first, D) holds the rows [first, L) of want (Hkv, L, D), bit for bit.
+bool holds_rows(const Tensor& got, const Tensor& want, int64_t first) {
+  const int64_t H = want.shape()[0], L = want.shape()[1], D = want.shape()[2];
+  if (got.shape() != std::vector<int64_t>{H, L - first, D}) return false;
+  for (int64_t h = 0; h < H; ++h)
+    if (std::memcmp(got.data<float>() + h * (L - first) * D, want.data<float>() + (h * L + first) * D,
+                    static_cast<size_t>((L - first) * D) * sizeof(float)) != 0)
+      return false;
+  return true;
+}
+
+// Everything a caller can see of the pool: sequences, lengths, block tables, references.
+std::vector<int64_t> pool_state(const PagedKvCache& cache) {
+  std::vector<int64_t> state = {cache.pages(), cache.free_pages()};
+  for (int64_t id : cache.sequences()) {
+    state.insert(state.end(), {-1, id, cache.length(id), cache.first_position(id)});
+    state.insert(state.end(), cache.block_table(id).begin(), cache.block_table(id).end());
+  }
+  for (int64_t page = 0; page < cache.pages(); ++page) state.push_back(cache.references(page));
+  return state;
+}
+
+// Random add / append / fork / free (and appends past a full pool, calls with freed or unknown
+// ids) against a model of what each sequence holds: after every call the live sequences hold
+// exactly their positions (a fork its parent's, copy on write), the window has released exactly
+// the pages wholly before each sequence's last W positions, each page's references count the
+// block tables holding it, the free pages are those with none, and a call that fails changes
+// nothing. Now and then a batched decode over every live sequence is compared with one KvCache
+// per sequence holding its positions.
+TEST(PagedKvCache, RandomOperationsKeepThePoolConsistent) {
+  Rng rng(base_seed() + 1003);
+  int full_pool_errors = 0, copies_on_write = 0, decodes = 0;
+  for (CacheType type : kTypes) {
+    for (int64_t window : {0, 40}) {
+      PagedKvCacheConfig pc;
+      pc.kv_heads = 2;
+      pc.head_dim_qk = 16;
+      pc.head_dim_v = 8;
+      pc.page_size = 16;
+      pc.pages = 2;
+      pc.max_pages = 24;
+      pc.window = window;
+      pc.dtype = type;
+      PagedKvCache cache(pc);
+      std::map<int64_t, ModelSequence> model;
+      int64_t next_id = 0;  // ids are never reused: every id below this one was added once
+      auto check = [&](const std::string& op) {
+        SCOPED_TRACE(op);
+        std::vector<int64_t> ids;
+        for (const auto& [id, m] : model) ids.push_back(id);
+        ASSERT_EQ(cache.sequences(), ids);
+        std::vector<int64_t> refs(static_cast<size_t>(cache.pages()), 0);
+        for (const auto& [id, m] : model) {
+          const int64_t L = m.length(), first = cache.first_position(id);
+          ASSERT_EQ(cache.length(id), L) << "sequence " << id;
+          const int64_t released = window > 0 ? std::max<int64_t>(L - window, 0) / pc.page_size * pc.page_size : 0;
+          ASSERT_EQ(first, released) << "sequence " << id << " of length " << L;
+          const std::vector<int64_t>& table = cache.block_table(id);
+          ASSERT_EQ(static_cast<int64_t>(table.size()), (L - first + pc.page_size - 1) / pc.page_size);
+          for (int64_t page : table) {
+            ASSERT_TRUE(page >= 0 && page < cache.pages()) << page;
+            ++refs[static_cast<size_t>(page)];
+          }
+          if (L > 0) {
+            ASSERT_TRUE(holds_rows(cache.keys_as_float(id), m.k, first)) << "keys of sequence " << id;
+            ASSERT_TRUE(holds_rows(cache.values_as_float(id), m.v, first)) << "values of sequence " << id;
+          }
+        }
+        int64_t unused = 0;
+        for (int64_t page = 0; page < cache.pages(); ++page) {
+          ASSERT_EQ(cache.references(page), refs[static_cast<size_t>(page)]) << "page " << page;
+          unused += refs[static_cast<size_t>(page)] == 0;
+        }
+        ASSERT_EQ(cache.free_pages(), unused);
+      };
+      for (int step = 0; step < 300; ++step) {
+        SCOPED_TRACE(std::string(cache_type_name(type)) + " window " + std::to_string(window) + " step " +
+                     std::to_string(step));
+        const double u = rng.uniform();
+        std::vector<int64_t> live;
+        for (const auto& [id, m] : model) live.push_back(id);
+        const int64_t any = live.empty() ? -1 : live[static_cast<size_t>(rng.range(0, live.size() - 1))];
+        if (live.empty() || (u < 0.1 && live.size() < 6)) {
+          const int64_t id = cache.add_sequence();
+          ASSERT_EQ(id, next_id++);
+          model[id] = ModelSequence{};
+          check("add_sequence");
+        } else if (u < 0.6) {
+          const int64_t n = rng.range(1, 30);
+          const Tensor k = random_tensor(rng, {2, n, 16}), v = random_tensor(rng, {2, n, 8});
+          const std::vector<int64_t> before = pool_state(cache);
+          const bool shared_tail = !cache.block_table(any).empty() && cache.length(any) % pc.page_size != 0 &&
+                                   cache.references(cache.block_table(any).back()) > 1;
+          try {
+            cache.append(any, k.view<float>(), v.view<float>());
+          } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("pool is full"), std::string::npos) << e.what();
+            EXPECT_EQ(pool_state(cache), before);
+            ++full_pool_errors;
+            check("a failed append");
+            continue;
+          }
+          copies_on_write += shared_tail;
+          ModelSequence& m = model[any];
+          const int64_t L = cache.length(any), first = cache.first_position(any);
+          // The new positions as stored: float32 keeps them exactly, the others round them
+          // (16-bit: each value by at most 2^-8 / 2^-11 of itself; int8 / int4: by half a step,
+          // a 255th / 15th of a group's range, checked value by value in kv_cache_quant_test.cc;
+          // here norm-wise, loosely, for random normal values).
+          const Tensor ks = cache.keys_as_float(any), vs = cache.values_as_float(any);
+          const View<const float> kn(ks.data<float>() + (L - n - first) * 16, {2, n, 16},
+                                     {(L - first) * 16, 16, 1});
+          const View<const float> vn(vs.data<float>() + (L - n - first) * 8, {2, n, 8}, {(L - first) * 8, 8, 1});
+          if (type == CacheType::kF32) {
+            EXPECT_EQ(rel_error(kn, k.view<float>()), 0.0);
+            EXPECT_EQ(rel_error(vn, v.view<float>()), 0.0);
+          } else {
+            const double bound = type == CacheType::kBF16  ? 1.0 / 256
+                                 : type == CacheType::kF16 ? 1.0 / 2048
+                                 : type == CacheType::kInt8 ? 1.0 / 32
+                                                            : 1.0 / 4;
+            EXPECT_LE(rel_error(kn, k.view<float>()), bound);
+            EXPECT_LE(rel_error(vn, v.view<float>()), bound);
+          }
+          m.k = concat_rows(m.k, to_tensor(kn));
+          m.v = concat_rows(m.v, to_tensor(vn));
+          check("append " + std::to_string(n) + " to sequence " + std::to_string(any));
+        } else if (u < 0.72 && live.size() < 6) {
+          const int64_t id = cache.fork(any);  // takes no page: never full
+          ASSERT_EQ(id, next_id++);
+          model[id] = model[any].copy();
+          check("fork of sequence " + std::to_string(any));
+        } else if (u < 0.84) {
+          cache.free_sequence(any);
+          model.erase(any);
+          check("free_sequence " + std::to_string(any));
+        } else if (u < 0.92) {  // a freed or never-added id: an error, and nothing changes
+          int64_t dead = next_id + rng.range(0, 3);
+          for (int64_t id = 0; id < next_id; ++id)
+            if (!model.count(id) && rng.coin()) dead = id;
+          const std::vector<int64_t> before = pool_state(cache);
+          const Tensor k = random_tensor(rng, {2, 1, 16}), v = random_tensor(rng, {2, 1, 8});
+          const std::string name = "sequence " + std::to_string(dead);
+          switch (rng.range(0, 3)) {
+            case 0:
+              expect_error([&] { cache.append(dead, k.view<float>(), v.view<float>()); }, {"append", name});
+              break;
+            case 1: expect_error([&] { cache.fork(dead); }, {"fork", name}); break;
+            case 2: expect_error([&] { cache.free_sequence(dead); }, {name}); break;
+            default: expect_error([&] { cache.block_table(dead); }, {name}); break;
+          }
+          EXPECT_EQ(pool_state(cache), before);
+          check("a call with " + name);
+        } else if (type == CacheType::kF32 || type == CacheType::kBF16 || type == CacheType::kF16) {
+          // One batched decode over the live sequences with positions against one KvCache per
+          // sequence holding them (16-bit: the stored values are representable, so the same).
+          std::vector<int64_t> ids;
+          for (int64_t id : live)
+            if (cache.length(id) > 0) ids.push_back(id);
+          if (ids.empty()) continue;
+          const int64_t S = static_cast<int64_t>(ids.size()), Hq = 4;
+          const Tensor q = random_tensor(rng, {S, Hq, 1, 16});
+          Tensor got(DType::kF32, {S, Hq, 1, 8});
+          attend(q.view<float>(), cache, ids, got.view<float>());
+          for (int64_t s = 0; s < S; ++s) {
+            KvCacheConfig kc;
+            kc.kv_heads = 2;
+            kc.head_dim_qk = 16;
+            kc.head_dim_v = 8;
+            kc.window = window;
+            kc.dtype = type;
+            KvCache alone(kc);
+            const ModelSequence& m = model[ids[static_cast<size_t>(s)]];
+            const int64_t L = m.length();
+            alone.append(View<const float>(m.k.data<float>(), {1, 2, L, 16}, {2 * L * 16, L * 16, 16, 1}),
+                         View<const float>(m.v.data<float>(), {1, 2, L, 8}, {2 * L * 8, L * 8, 8, 1}));
+            Tensor want(DType::kF32, {1, Hq, 1, 8});
+            attend(View<const float>(q.data<float>() + s * Hq * 16, {1, Hq, 1, 16}), alone, want.view<float>());
+            const View<const float> gs(got.data<float>() + s * Hq * 8, {1, Hq, 1, 8});
+            const double bound = type == CacheType::kBF16 ? 1.0 / 128 : type == CacheType::kF16 ? 1.0 / 1024 : 1e-5;
+            EXPECT_LE(rel_error(gs, want.view<float>()), bound) << "sequence " << ids[static_cast<size_t>(s)];
+          }
+          ++decodes;
+        }
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+  // The walk reached what it is for (fixed seeds make these counts fixed; a change of the walk
+  // that loses one fails here rather than passing without it).
+  EXPECT_GE(full_pool_errors, 20);
+  EXPECT_GE(copies_on_write, 20);
+  EXPECT_GE(decodes, 20);
 }
 
 }  // namespace
