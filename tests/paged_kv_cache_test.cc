@@ -35,6 +35,17 @@ View<const float> rows4(const Tensor& x, int64_t t0, int64_t n) {
   return View<const float>(x.data<float>() + t0 * D, {1, H, n, D}, {H * T * D, T * D, D, 1});
 }
 
+// A KvCache of batch 1 holding what one sequence of a pool with config pc holds.
+KvCacheConfig one_sequence(const PagedKvCacheConfig& pc) {
+  KvCacheConfig kc;
+  kc.kv_heads = pc.kv_heads;
+  kc.head_dim_qk = pc.head_dim_qk;
+  kc.head_dim_v = pc.head_dim_v;
+  kc.window = pc.window;
+  kc.dtype = pc.dtype;
+  return kc;
+}
+
 TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
   Rng rng(base_seed() + 1000);
   int outlier_checks = 0;
@@ -56,13 +67,7 @@ TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
       std::vector<Tensor> ks, vs;
       for (int64_t s = 0; s < S; ++s) {
         ids.push_back(paged.add_sequence());
-        KvCacheConfig kc;
-        kc.kv_heads = pc.kv_heads;
-        kc.head_dim_qk = pc.head_dim_qk;
-        kc.head_dim_v = pc.head_dim_v;
-        kc.window = pc.window;
-        kc.dtype = type;
-        alone.emplace_back(kc);
+        alone.emplace_back(one_sequence(pc));
         const int64_t L = rng.range(n, 300);
         ks.push_back(random_tensor(rng, {pc.kv_heads, L, pc.head_dim_qk}));
         vs.push_back(random_tensor(rng, {pc.kv_heads, L, pc.head_dim_v}));
@@ -418,13 +423,7 @@ TEST(PagedKvCache, RandomOperationsKeepThePoolConsistent) {
           Tensor got(DType::kF32, {S, Hq, 1, 8});
           attend(q.view<float>(), cache, ids, got.view<float>());
           for (int64_t s = 0; s < S; ++s) {
-            KvCacheConfig kc;
-            kc.kv_heads = 2;
-            kc.head_dim_qk = 16;
-            kc.head_dim_v = 8;
-            kc.window = window;
-            kc.dtype = type;
-            KvCache alone(kc);
+            KvCache alone(one_sequence(pc));
             const ModelSequence& m = model[ids[static_cast<size_t>(s)]];
             const int64_t L = m.length();
             alone.append(View<const float>(m.k.data<float>(), {1, 2, L, 16}, {2 * L * 16, L * 16, 16, 1}),
