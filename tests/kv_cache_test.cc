@@ -1,7 +1,12 @@
 // Incremental decoding with a KV cache equals full causal attention over the whole sequence,
 // at every step: MHA, GQA and MQA weights, sliding windows, chunked prefill, sequences of
-// different lengths, capacity growth and ring wrap-around.
+// different lengths, capacity growth and ring wrap-around; a random walk of appends, resets and
+// bad counts against a model of each sequence's slots, for every cache type.
 #include <gtest/gtest.h>
+
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "mha/kv_cache.h"
 #include "mha/multi_head_attention.h"
@@ -141,6 +146,110 @@ TEST(KvCache, MismatchedCacheIsAnError) {
   EXPECT_THROW(m.step(x.view<float>(), wrong), Error);
   KvCache right = m.make_cache(1);
   EXPECT_THROW(m.step(x.view<float>(), right, {2}), Error);  // more new tokens than rows
+}
+
+// Random appends (counts per sequence, chunks longer than the window), resets and bad counts
+// against a model of each sequence's positions: after every call each sequence's length, the
+// slots it keeps (the window's ring after the sink tokens, growth by doubling) and their
+// contents, position p in slot(p); a call with bad counts is an error and changes nothing.
+TEST(KvCache, RandomAppendsKeepEachPositionInItsSlot) {
+  Rng rng(base_seed() + 2);
+  constexpr int64_t B = 3, Hkv = 2, D = 16, Dv = 8;
+  int wraps = 0, bad_counts = 0;
+  for (CacheType type : {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8, CacheType::kInt4}) {
+    for (auto [window, sinks] : {std::pair<int64_t, int64_t>{0, 0}, {5, 0}, {12, 3}}) {
+      SCOPED_TRACE(std::string(cache_type_name(type)) + " window " + std::to_string(window) + " sinks " +
+                   std::to_string(sinks));
+      KvCacheConfig c;
+      c.batch = B;
+      c.kv_heads = Hkv;
+      c.head_dim_qk = D;
+      c.head_dim_v = Dv;
+      c.capacity = rng.range(1, 8);
+      c.window = window;
+      c.sink_tokens = sinks;
+      c.dtype = type;
+      KvCache cache(c);
+      // Each sequence's appended rows, position by position: (Hkv, D) keys then (Hkv, Dv) values.
+      std::vector<std::vector<float>> model(B);
+      // The stored rows against the model's (float32 exactly; the others round them: 16-bit by
+      // 2^-8 / 2^-11 of each value, int8 / int4 by half a step of a group's range, norm-wise
+      // loosely here; a row from another position is off by ~1.4).
+      const double bound = type == CacheType::kF32    ? 0.0
+                           : type == CacheType::kBF16 ? 1.0 / 256
+                           : type == CacheType::kF16  ? 1.0 / 2048
+                           : type == CacheType::kInt8 ? 1.0 / 16
+                                                      : 1.0 / 2;
+      auto check = [&](const std::string& op) {
+        SCOPED_TRACE(op);
+        const Tensor ks = cache.keys_as_float(), vs = cache.values_as_float();
+        const int64_t cap = cache.capacity();
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t L = static_cast<int64_t>(model[b].size()) / (Hkv * (D + Dv));
+          ASSERT_EQ(cache.length(b), L);
+          const int64_t kept = window > 0 ? std::min(L, sinks + window) : L;
+          ASSERT_EQ(cache.stored(b), kept);
+          ASSERT_GE(cap, kept);
+          for (int64_t p = 0; p < L; ++p) {
+            if (window > 0 && p >= sinks && p < L - window) continue;  // dropped from the ring
+            const int64_t slot = cache.slot(p);
+            ASSERT_EQ(slot, window > 0 && p >= sinks ? sinks + (p - sinks) % window : p) << "position " << p;
+            const float* row = model[b].data() + p * Hkv * (D + Dv);
+            const View<const float> k(ks.data<float>() + (b * Hkv * cap + slot) * D, {Hkv, D}, {cap * D, 1});
+            const View<const float> v(vs.data<float>() + (b * Hkv * cap + slot) * Dv, {Hkv, Dv}, {cap * Dv, 1});
+            ASSERT_LE(rel_error(k, View<const float>(row, {Hkv, D})), bound) << "keys, sequence " << b << " at " << p;
+            ASSERT_LE(rel_error(v, View<const float>(row + Hkv * D, {Hkv, Dv})), bound)
+                << "values, sequence " << b << " at " << p;
+          }
+        }
+      };
+      for (int step = 0; step < 150; ++step) {
+        SCOPED_TRACE("step " + std::to_string(step));
+        const double u = rng.uniform();
+        if (u < 0.05) {
+          cache.reset();
+          for (auto& m : model) m.clear();
+          check("reset");
+          continue;
+        }
+        const int64_t n = rng.range(0, 2 * std::max<int64_t>(window, 8));
+        const Tensor k = random_tensor(rng, {B, Hkv, n, D}), v = random_tensor(rng, {B, Hkv, n, Dv});
+        std::vector<int64_t> counts;
+        if (rng.coin(0.7))
+          for (int64_t b = 0; b < B; ++b) counts.push_back(rng.range(0, n));
+        if (u < 0.12) {  // a count out of [0, n], or one count too few: nothing changes
+          if (counts.empty() || rng.coin()) {
+            counts.assign(B - 1, 0);
+            expect_error([&] { cache.append(k.view<float>(), v.view<float>(), counts); }, {"append", "count"});
+          } else {
+            const int64_t b = rng.range(0, B - 1);
+            counts[static_cast<size_t>(b)] = rng.coin() ? -1 : n + 1;
+            expect_error([&] { cache.append(k.view<float>(), v.view<float>(), counts); },
+                         {"append", "count[" + std::to_string(b) + "]"});
+          }
+          ++bad_counts;
+          check("a bad append");
+          continue;
+        }
+        cache.append(k.view<float>(), v.view<float>(), counts);
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t cnt = counts.empty() ? n : counts[static_cast<size_t>(b)];
+          wraps += window > 0 && cnt > window;
+          for (int64_t t = 0; t < cnt; ++t) {
+            for (int64_t h = 0; h < Hkv; ++h)
+              for (int64_t e = 0; e < D; ++e) model[b].push_back(k.view<float>().at(b, h, t, e));
+            for (int64_t h = 0; h < Hkv; ++h)
+              for (int64_t e = 0; e < Dv; ++e) model[b].push_back(v.view<float>().at(b, h, t, e));
+          }
+        }
+        check("append of " + std::to_string(n));
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+
+  EXPECT_GE(wraps, 20);  // chunks longer than the window: the ring wraps within one append
+  EXPECT_GE(bad_counts, 20);
 }
 
 }  // namespace

@@ -366,7 +366,7 @@ TEST(PagedKvCache, RandomOperationsKeepThePoolConsistent) {
           // The new positions as stored: float32 keeps them exactly, the others round them
           // (16-bit: each value by at most 2^-8 / 2^-11 of itself; int8 / int4: by half a step,
           // a 255th / 15th of a group's range, checked value by value in kv_cache_quant_test.cc;
-          // here norm-wise, loosely, for random normal values).
+          // here norm-wise, loosely, for random normal values; rows from elsewhere: off by ~1.4).
           const Tensor ks = cache.keys_as_float(any), vs = cache.values_as_float(any);
           const View<const float> kn(ks.data<float>() + (L - n - first) * 16, {2, n, 16},
                                      {(L - first) * 16, 16, 1});
@@ -377,8 +377,8 @@ TEST(PagedKvCache, RandomOperationsKeepThePoolConsistent) {
           } else {
             const double bound = type == CacheType::kBF16  ? 1.0 / 256
                                  : type == CacheType::kF16 ? 1.0 / 2048
-                                 : type == CacheType::kInt8 ? 1.0 / 32
-                                                            : 1.0 / 4;
+                                 : type == CacheType::kInt8 ? 1.0 / 16
+                                                            : 1.0 / 2;
             EXPECT_LE(rel_error(kn, k.view<float>()), bound);
             EXPECT_LE(rel_error(vn, v.view<float>()), bound);
           }
