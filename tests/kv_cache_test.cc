@@ -157,7 +157,8 @@ TEST(KvCache, RandomAppendsKeepEachPositionInItsSlot) {
   constexpr int64_t B = 3, Hkv = 2, D = 16, Dv = 8;
   int wraps = 0, bad_counts = 0;
   for (CacheType type : {CacheType::kF32, CacheType::kBF16, CacheType::kF16, CacheType::kInt8, CacheType::kInt4}) {
-    for (auto [window, sinks] : {std::pair<int64_t, int64_t>{0, 0}, {5, 0}, {12, 3}}) {
+    for (const std::pair<int64_t, int64_t>& ring : {std::pair<int64_t, int64_t>{0, 0}, {5, 0}, {12, 3}}) {
+      const int64_t window = ring.first, sinks = ring.second;  // not bound: clang 14's lambdas cannot capture that
       SCOPED_TRACE(std::string(cache_type_name(type)) + " window " + std::to_string(window) + " sinks " +
                    std::to_string(sinks));
       KvCacheConfig c;
