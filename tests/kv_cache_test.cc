@@ -150,7 +150,7 @@ TEST(KvCache, MismatchedCacheIsAnError) {
 
 // Random appends (counts per sequence, chunks longer than the window), resets and bad counts
 // against a model of each sequence's positions: after every call each sequence's length, the
-// slots it keeps (the window's ring after the sink tokens, growth by doubling) and their
+// slots it keeps (the window's ring after the sink tokens, within the capacity) and their
 // contents, position p in slot(p); a call with bad counts is an error and changes nothing.
 TEST(KvCache, RandomAppendsKeepEachPositionInItsSlot) {
   Rng rng(base_seed() + 2);
