@@ -267,6 +267,25 @@ TEST(HostileSizes, ModuleAndCacheSizesAreChecked) {
   k.kv_heads = int64_t{1} << 30;
   k.head_dim_qk = k.head_dim_v = 4;
   expect_error([&] { KvCache cache(k); }, {"KvCache", "overflows 64 bits"});
+  // Found by fuzz/cache_fuzz.cc (UBSan: signed overflow in the checks or in row sizes): a
+  // negative window; head dims that a batch of 0 allocates nothing for; a head dim whose row of
+  // int8 groups overflows in a paged pool.
+  k = KvCacheConfig{};
+  k.head_dim_qk = k.head_dim_v = 4;
+  k.window = -1;  // with no sink tokens: sink_tokens + window was checked before the window's sign
+  expect_error([&] { KvCache cache(k); }, {"KvCache", "window -1", "must be positive"});
+  k.window = 0;
+  k.batch = 0;
+  k.head_dim_qk = int64_t{1} << 62;
+  expect_error([&] { KvCache cache(k); }, {"KvCache: head_dim_qk", "4611686018427387904", "not in [1, 2^40]"});
+  k.head_dim_qk = 4;
+  k.kv_heads = int64_t{1} << 62;
+  expect_error([&] { KvCache cache(k); }, {"KvCache", "overflows 64 bits"});
+  PagedKvCacheConfig p;
+  p.head_dim_qk = 16;
+  p.head_dim_v = std::numeric_limits<int64_t>::max();
+  p.dtype = CacheType::kInt8;
+  expect_error([&] { PagedKvCache cache(p); }, {"PagedKvCache: head_dim_v", "not in [1, 2^40]"});
 }
 
 // ---- 16-bit element types -------------------------------------------------------------------

@@ -215,6 +215,19 @@ TEST(PagedKvCache, WindowReleasesPagesAndAFullPoolChangesNothing) {
   EXPECT_TRUE(bitwise_equal(full.keys_as_float(a), before));
   full.append(a, rows(k, 60, 4), rows(v, 60, 4));  // what still fits
   EXPECT_EQ(full.length(a), 64);
+  // A pool that could grow, but not enough: it does not grow (found by fuzz/cache_fuzz.cc).
+  small.pages = 1;
+  small.max_pages = 3;
+  PagedKvCache short_pool(small);
+  const int64_t b = short_pool.add_sequence();
+  expect_error([&] { short_pool.append(b, rows(k, 0, 60), rows(v, 0, 60)); },
+               {"pool is full", "1 pages", "max_pages 3", "4 more pages needed", "1 free"});
+  EXPECT_EQ(short_pool.pages(), 1);
+  EXPECT_EQ(short_pool.free_pages(), 1);
+  EXPECT_EQ(short_pool.length(b), 0);
+  short_pool.append(b, rows(k, 0, 48), rows(v, 0, 48));  // 3 pages: grows once, to the limit
+  EXPECT_EQ(short_pool.pages(), 3);
+  EXPECT_EQ(short_pool.free_pages(), 0);
   // Bad configurations, shapes and queries.
   PagedKvCacheConfig bad = pc;
   bad.page_size = 48;

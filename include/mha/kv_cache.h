@@ -64,7 +64,7 @@ constexpr int64_t kCacheKeyOutliers = 4;
 struct KvCacheConfig {
   int64_t batch = 1;
   int64_t kv_heads = 1;
-  int64_t head_dim_qk = 0;
+  int64_t head_dim_qk = 0;  // head dims: 1 .. 2^40
   int64_t head_dim_v = 0;
   int64_t capacity = 0;  // initial slots per sequence (grown by doubling; int8/int4: rounded up to
                          // whole tiles of 16); 0: 16

@@ -13,7 +13,8 @@
 // Every CacheType works (kv_cache.h describes the int8/int4 format; each sequence has its own
 // key channel scales, inherited by forks). With window = W > 0 a sequence's pages that lie wholly
 // before its last W positions go back to the pool. The pool grows by doubling when it runs out,
-// up to max_pages (0: no limit); beyond that an append is an mha::Error and nothing changes.
+// up to max_pages (0: no limit); an append that needs more is an mha::Error and nothing changes
+// (the pool does not grow either).
 // Any bad id (never added, or freed) is an mha::Error and leaves the pool as it was. A NaN or
 // infinity among a sequence's keys or values makes the outputs of its rows that attend to it
 // non-finite (possibly NaN where attention() would give ±inf); other rows and sequences are
@@ -32,7 +33,7 @@ namespace mha {
 
 struct PagedKvCacheConfig {
   int64_t kv_heads = 1;
-  int64_t head_dim_qk = 0;
+  int64_t head_dim_qk = 0;  // head dims: 1 .. 2^40
   int64_t head_dim_v = 0;
   int64_t page_size = 64;  // positions per page: a power of two in [16, 256]
   int64_t pages = 16;      // initial pool size (grown by doubling)
@@ -91,7 +92,10 @@ class PagedKvCache {
   };
   const Sequence& sequence(int64_t id, const char* accessor) const;
   Sequence& sequence(int64_t id, const char* accessor);
-  int64_t take_page();
+  // Grows the pool (doubling, up to max_pages) so that n pages are free, or throws mha::Error
+  // and leaves it as it was.
+  void reserve_pages(int64_t n);
+  int64_t take_page();  // a free page (reserve_pages first), its references set to 1
   void release_page(int64_t page);
   void grow(int64_t pages);
   void copy_page(int64_t from, int64_t to);

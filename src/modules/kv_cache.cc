@@ -25,21 +25,25 @@ const char* cache_type_name(CacheType type) {
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   const auto& c = config_;
-  MHA_CHECK(c.sink_tokens >= 0 && (c.sink_tokens == 0 || c.window > 0),
-            "KvCache: sink_tokens = {} needs a window (window = {}); both >= 0", c.sink_tokens, c.window);
-  MHA_CHECK(c.sink_tokens <= std::numeric_limits<int64_t>::max() - c.window,
-            "KvCache: sink_tokens + window = {} + {} overflows int64", c.sink_tokens, c.window);
   MHA_CHECK(c.batch >= 0 && c.kv_heads > 0 && c.head_dim_qk > 0 && c.head_dim_v > 0 && c.capacity >= 0 && c.window >= 0,
             "KvCache: batch {}, kv_heads {}, head dims ({}, {}), capacity {}, window {}: all must be positive "
             "(batch, capacity and window may be 0)",
             c.batch, c.kv_heads, c.head_dim_qk, c.head_dim_v, c.capacity, c.window);
+  MHA_CHECK(c.sink_tokens >= 0 && (c.sink_tokens == 0 || c.window > 0),
+            "KvCache: sink_tokens = {} needs a window (window = {}); both >= 0", c.sink_tokens, c.window);
+  MHA_CHECK(c.sink_tokens <= std::numeric_limits<int64_t>::max() - c.window,
+            "KvCache: sink_tokens + window = {} + {} overflows int64", c.sink_tokens, c.window);
   MHA_CHECK(c.dtype == CacheType::kF32 || c.dtype == CacheType::kBF16 || c.dtype == CacheType::kF16 ||
                 c.dtype == CacheType::kInt8 || c.dtype == CacheType::kInt4,
             "KvCache: dtype must be float32, bfloat16, float16, int8 or int4; got value {}",
             static_cast<int>(c.dtype));
-  // The storage's element counts must fit int64 (Tensor checks the allocation itself).
+  check_row_width(c.head_dim_qk, "KvCache: head_dim_qk");
+  check_row_width(c.head_dim_v, "KvCache: head_dim_v");
+  // The storage's element counts must fit int64 (Tensor checks the allocation itself); one
+  // sequence's for batch 0, whose sizes per sequence are computed all the same.
   const int64_t per_slot = checked_add(c.head_dim_qk, c.head_dim_v, "KvCache: head dims");
-  checked_mul(checked_mul(c.batch, c.kv_heads, "KvCache: batch · kv_heads"), per_slot, "KvCache: storage per slot");
+  checked_mul(checked_mul(std::max<int64_t>(c.batch, 1), c.kv_heads, "KvCache: batch · kv_heads"), per_slot,
+              "KvCache: storage per slot");
   length_.assign(static_cast<size_t>(c.batch), 0);
   channels_fixed_.assign(static_cast<size_t>(c.batch), 0);
   if (quantized()) {

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "util/check.h"
 #include "util/convert.h"
 #include "util/fp16.h"
 
@@ -131,6 +132,10 @@ DType element_type(CacheType t) {
     case CacheType::kF32: return DType::kF32;
     default: return DType::kU8;  // codes
   }
+}
+
+void check_row_width(int64_t width, const char* what) {
+  MHA_CHECK(width > 0 && width <= kMaxRowWidth, "{}: a head dim of {} is not in [1, 2^40]", what, width);
 }
 
 int64_t quant_groups(int64_t width) { return (width + kCacheQuantGroup - 1) / kCacheQuantGroup; }

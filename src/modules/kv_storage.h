@@ -12,6 +12,12 @@ namespace mha::kv_storage {
 
 int quant_bits(CacheType t);        // 8, 4, or 0 for the float types
 DType element_type(CacheType t);    // of the stored elements (kU8 for codes)
+// The most values a row may hold. Every size derived from a width (elements, bytes, groups,
+// scales) then stays far below 2^63, so those are computed without overflow checks; the caches'
+// constructors check their head dims with check_row_width.
+constexpr int64_t kMaxRowWidth = int64_t{1} << 40;
+// Throws mha::Error naming `what` and the width unless 0 < width <= kMaxRowWidth.
+void check_row_width(int64_t width, const char* what);
 int64_t quant_groups(int64_t width);
 int64_t row_elements(CacheType t, int64_t width);  // stored elements (bytes for codes) per row
 // Floats per row of an int8/int4 cache's scales: (scale, minimum) per group, then for keys the

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "modules/kv_storage.h"
 #include "ops/attention_internal.h"
@@ -28,6 +29,8 @@ PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
                 c.dtype == CacheType::kInt8 || c.dtype == CacheType::kInt4,
             "PagedKvCache: dtype must be float32, bfloat16, float16, int8 or int4; got value {}",
             static_cast<int>(c.dtype));
+  check_row_width(c.head_dim_qk, "PagedKvCache: head_dim_qk");
+  check_row_width(c.head_dim_v, "PagedKvCache: head_dim_v");
   const int64_t row = checked_add(row_elements(c.dtype, c.head_dim_qk), row_elements(c.dtype, c.head_dim_v),
                                   "PagedKvCache: row elements");
   checked_mul(checked_mul(c.kv_heads, c.page_size, "PagedKvCache: rows per page"), row, "PagedKvCache: page size");
@@ -38,8 +41,9 @@ void PagedKvCache::grow(int64_t pages) {
   const auto& c = config_;
   const DType et = element_type(c.dtype);
   // Head-major planes (Hkv, pages, page_size, width): pages keep their numbers, each head's
-  // pages move to the front of its bigger plane.
-  auto plane = [&](Tensor& t, DType type, int64_t width) {
+  // pages move to the front of its bigger plane. Every new plane is made before any replaces its
+  // old one: a pool that cannot grow (an mha::Error) stays as it was.
+  auto bigger = [&](const Tensor& t, DType type, int64_t width) {
     Tensor n(type, {c.kv_heads, pages, c.page_size, width});
     if (pages_ > 0) {
       const size_t head = t.nbytes() / static_cast<size_t>(c.kv_heads);
@@ -47,26 +51,34 @@ void PagedKvCache::grow(int64_t pages) {
         std::memcpy(static_cast<std::byte*>(n.raw()) + h * (n.nbytes() / static_cast<size_t>(c.kv_heads)),
                     static_cast<const std::byte*>(t.raw()) + h * head, head);
     }
-    t = std::move(n);
+    return n;
   };
-  plane(k_, et, row_elements(c.dtype, c.head_dim_qk));
-  plane(v_, et, row_elements(c.dtype, c.head_dim_v));
-  if (quant_bits(c.dtype)) {
-    plane(k_scales_, DType::kF32, scale_elements(c.head_dim_qk, true));
-    plane(v_scales_, DType::kF32, scale_elements(c.head_dim_v, false));
-  }
+  const bool quantized = quant_bits(c.dtype) != 0;
+  Tensor k = bigger(k_, et, row_elements(c.dtype, c.head_dim_qk));
+  Tensor v = bigger(v_, et, row_elements(c.dtype, c.head_dim_v));
+  Tensor k_scales = quantized ? bigger(k_scales_, DType::kF32, scale_elements(c.head_dim_qk, true)) : Tensor();
+  Tensor v_scales = quantized ? bigger(v_scales_, DType::kF32, scale_elements(c.head_dim_v, false)) : Tensor();
+  refs_.reserve(static_cast<size_t>(pages));
+  free_.reserve(free_.size() + static_cast<size_t>(pages - pages_));
+  k_ = std::move(k), v_ = std::move(v), k_scales_ = std::move(k_scales), v_scales_ = std::move(v_scales);
   refs_.resize(static_cast<size_t>(pages), 0);
   for (int64_t p = pages - 1; p >= pages_; --p) free_.push_back(p);  // lowest page taken first
   pages_ = pages;
 }
 
+void PagedKvCache::reserve_pages(int64_t n) {
+  const int64_t short_by = n - free_pages();
+  if (short_by <= 0) return;
+  const int64_t limit = config_.max_pages > 0 ? config_.max_pages : std::numeric_limits<int64_t>::max();
+  MHA_CHECK(short_by <= limit - pages_,
+            "PagedKvCache: the pool is full ({} pages of {} positions, max_pages {}; {} more pages needed, {} free)",
+            pages_, config_.page_size, config_.max_pages, n, free_pages());
+  int64_t want = pages_;  // doubled until the pages fit
+  while (want - pages_ < short_by) want = want <= limit / 2 ? 2 * want : limit;
+  grow(want);
+}
+
 int64_t PagedKvCache::take_page() {
-  if (free_.empty()) {
-    const int64_t want = config_.max_pages > 0 ? std::min(2 * pages_, config_.max_pages) : 2 * pages_;
-    MHA_CHECK(want > pages_, "PagedKvCache: the pool is full ({} pages of {} positions, max_pages {})", pages_,
-              config_.page_size, config_.max_pages);
-    grow(want);
-  }
   const int64_t p = free_.back();
   free_.pop_back();
   refs_[p] = 1;
@@ -116,8 +128,8 @@ int64_t PagedKvCache::add_sequence() {
 
 int64_t PagedKvCache::fork(int64_t id) {
   Sequence copy = sequence(id, "fork");
-  for (int64_t p : copy.table) ++refs_[p];
-  seqs_.push_back(std::move(copy));
+  seqs_.push_back(std::move(copy));  // first: it may throw (memory)
+  for (int64_t p : seqs_.back().table) ++refs_[p];
   return static_cast<int64_t>(seqs_.size()) - 1;
 }
 
@@ -170,20 +182,27 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
             "PagedKvCache::append: keys {} or values {} have a null data pointer", shape_string(k), shape_string(v));
   const int64_t n = k.shape[1], P = c.page_size;
   if (n == 0) return;
-  // Take every page needed before writing anything: a full pool leaves the sequence unchanged.
+  // Take every page needed before writing anything: a full pool leaves everything unchanged.
   Sequence& s = seqs_[id];
   const int64_t end = checked_add(s.length, n, "PagedKvCache::append: length");
   const int64_t have = (s.first_page + static_cast<int64_t>(s.table.size())) * P;
   const int64_t partial = s.length % P != 0 ? s.table.back() : -1;
   const bool copy_last = partial >= 0 && refs_[partial] > 1;  // shared with a fork: copy on write
   const int64_t new_pages = (std::max<int64_t>(end - have, 0) + P - 1) / P + (copy_last ? 1 : 0);
+  // Every allocation first, then the pool's growth: after that nothing can fail. int8/int4: the
+  // first append fixes the sequence's key channel scales.
+  const int bits = quant_bits(c.dtype);
+  const bool fix_channels = bits && !s.channels_fixed;
+  std::vector<float> channels(fix_channels ? s.channels.size() : 0), inv(bits ? static_cast<size_t>(c.head_dim_qk) : 0);
+  std::vector<int64_t> outliers(fix_channels ? s.outliers.size() : 0);
+  for (int64_t h = 0; fix_channels && h < c.kv_heads; ++h)
+    key_channels(k.data + h * k.stride[0], k.stride[1], k.stride[2], n, c.head_dim_qk,
+                 channels.data() + h * c.head_dim_qk, outliers.data() + h * kCacheKeyOutliers);
   std::vector<int64_t> taken;
-  try {
-    for (int64_t i = 0; i < new_pages; ++i) taken.push_back(take_page());
-  } catch (...) {
-    for (int64_t p : taken) release_page(p);
-    throw;
-  }
+  taken.reserve(static_cast<size_t>(new_pages));
+  s.table.reserve(s.table.size() + static_cast<size_t>(new_pages));
+  reserve_pages(new_pages);
+  for (int64_t i = 0; i < new_pages; ++i) taken.push_back(take_page());
   if (copy_last) {
     const int64_t fresh = taken.back();
     taken.pop_back();
@@ -193,14 +212,11 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
   }
   s.table.insert(s.table.end(), taken.begin(), taken.end());
 
-  const int bits = quant_bits(c.dtype);
-  if (bits && !s.channels_fixed) {
-    for (int64_t h = 0; h < c.kv_heads; ++h)
-      key_channels(k.data + h * k.stride[0], k.stride[1], k.stride[2], n, c.head_dim_qk,
-                   s.channels.data() + h * c.head_dim_qk, s.outliers.data() + h * kCacheKeyOutliers);
+  if (fix_channels) {
+    s.channels.swap(channels);
+    s.outliers.swap(outliers);
     s.channels_fixed = true;
   }
-  std::vector<float> inv(bits ? static_cast<size_t>(c.head_dim_qk) : 0);
   const int64_t kw = k_.shape()[3], vw = v_.shape()[3], es = static_cast<int64_t>(dtype_size(k_.dtype()));
   for (int64_t h = 0; h < c.kv_heads; ++h) {
     for (size_t e = 0; e < inv.size(); ++e) inv[e] = 1.0f / s.channels[h * c.head_dim_qk + static_cast<int64_t>(e)];
