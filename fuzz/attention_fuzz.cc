@@ -22,16 +22,7 @@ namespace {
 
 using mha::Tensor;
 using mha::View;
-
-struct Rng {  // splitmix64
-  uint64_t s;
-  float next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return static_cast<float>((z ^ (z >> 31)) >> 40) / 16777216.0f * 16.0f - 8.0f;  // [-8, 8)
-  }
-};
+using mha::fuzz::Rng;
 
 struct Outputs {
   Tensor out, lse, weights;

@@ -109,7 +109,7 @@ if [ "$quick" != 1 ]; then
   cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHA_BUILD_FUZZERS=ON \
     -DMHA_BUILD_TESTS=OFF -DMHA_BUILD_TOOLS=OFF "$skip_target" >/dev/null
   cmake --build build-fuzz -j"$jobs" >/dev/null
-  for target in safetensors weights attention; do
+  for target in safetensors weights attention cache; do
     work=$(mktemp -d)  # new inputs go here, the committed corpus stays read-only
     if build-fuzz/${target}_fuzz -max_total_time="${MHA_FUZZ_SECONDS:-20}" -print_final_stats=1 \
          -artifact_prefix="$work/" "$work" "fuzz/corpus/$target" >"$work/log" 2>&1; then
