@@ -200,7 +200,9 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
                  channels.data() + h * c.head_dim_qk, outliers.data() + h * kCacheKeyOutliers);
   std::vector<int64_t> taken;
   taken.reserve(static_cast<size_t>(new_pages));
-  s.table.reserve(s.table.size() + static_cast<size_t>(new_pages));
+  // Doubling, as insert would: reserving the exact size made every new page copy the table.
+  const size_t table = s.table.size() + static_cast<size_t>(new_pages);
+  if (table > s.table.capacity()) s.table.reserve(std::max(table, 2 * s.table.capacity()));
   reserve_pages(new_pages);
   for (int64_t i = 0; i < new_pages; ++i) taken.push_back(take_page());
   if (copy_last) {
