@@ -59,6 +59,28 @@ def check_int(x, name, lo, hi):
     return x
 
 
+def check_bool(x, name):
+    """A flag: True or False (numpy's too, or the integer 0 or 1), as bool. A string, None or a
+    tensor is an error, not its truth value ("False" is truthy)."""
+    if x is True or x is False:
+        return x
+    if isinstance(x, (np.bool_, int, np.integer)) and x in (0, 1):
+        return bool(x)
+    raise Error(f"{name} must be True or False; got {type(x).__name__} {x!r}")
+
+
+def check_int_list(x, name, lo, hi):
+    """A sequence of integers in [lo, hi] (a list, a tuple, any iterable but a string, or a 1-d
+    numpy array or torch tensor), as a list of int."""
+    if isinstance(x, np.ndarray) or is_torch(x):
+        if x.ndim != 1:
+            raise Error(f"{name} must be a sequence of integers; got an array of shape {tuple(x.shape)}")
+        x = x.tolist()
+    elif isinstance(x, (str, bytes, dict)) or not hasattr(x, "__iter__"):
+        raise Error(f"{name} must be a sequence of integers; got {type(x).__name__} {x!r}")
+    return [check_int(v, name, lo, hi) for v in x]
+
+
 def check_attention_dtype(x, name):
     """float32, bfloat16 (torch) or float16 on the CPU: the element types attention computes with
     (float32 arithmetic, results rounded once to the input's type). Returns the dtype's name."""

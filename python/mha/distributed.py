@@ -41,8 +41,19 @@ _TOP_LEFT = 1
 
 
 def _check_layout(layout, name):
-    if layout not in LAYOUTS:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise Error(f"{name}: layout must be 'zigzag' or 'contiguous'; got {layout!r}")
+
+
+def _check_tensor(x, name):
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise Error(f"{name} must be a torch.Tensor with a sequence dimension; got {type(x).__name__} {x!r:.40}")
+    return x
+
+
+def _check_dim(dim, x, name):
+    """dim as torch takes it: in [-x.dim(), x.dim() - 1]."""
+    return A.check_int(dim, f"{name}: dim", -x.dim(), x.dim() - 1)
 
 
 def _chunks(length, world_size, layout, name):
@@ -58,6 +69,8 @@ def shard_sequence(x, rank, world_size, layout="zigzag", dim=-2):
     ("contiguous"), or chunks rank and 2·world_size - 1 - rank of 2·world_size ("zigzag")."""
     name = "shard_sequence"
     _check_layout(layout, name)
+    _check_tensor(x, f"{name}: x")
+    dim = _check_dim(dim, x, name)
     world_size = A.check_int(world_size, f"{name}: world_size", 1, 2**31 - 1)
     rank = A.check_int(rank, f"{name}: rank", 0, world_size - 1)
     parts = _chunks(x.shape[dim], world_size, layout, name)
@@ -71,6 +84,13 @@ def unshard_sequence(shards, layout="zigzag", dim=-2):
     """The full sequence from every rank's shard (a list in rank order): the inverse of shard_sequence."""
     name = "unshard_sequence"
     _check_layout(layout, name)
+    if not isinstance(shards, (list, tuple)) or not shards:
+        raise Error(f"{name}: shards must be a non-empty list of tensors in rank order; got {type(shards).__name__}")
+    for r, x in enumerate(shards):
+        _check_tensor(x, f"{name}: shards[{r}]")
+        if x.dim() != shards[0].dim():
+            raise Error(f"{name}: every shard must have the same rank; got {[tuple(s.shape) for s in shards]}")
+    dim = _check_dim(dim, shards[0], name)
     if layout == "contiguous":
         return torch.cat(list(shards), dim=dim)
     world_size = len(shards)
@@ -83,6 +103,11 @@ def unshard_sequence(shards, layout="zigzag", dim=-2):
 
 def gather_sequence(x, group=None, layout="zigzag", dim=-2):
     """Every rank's shard x gathered (all_gather) and unsharded: the full sequence, on every rank."""
+    name = "gather_sequence"
+    if not dist.is_available() or not dist.is_initialized():
+        raise Error(f"{name}: torch.distributed is not initialised; call torch.distributed.init_process_group first")
+    _check_layout(layout, name)
+    _check_dim(dim, _check_tensor(x, f"{name}: x"), name)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return unshard_sequence(parts, layout, dim)

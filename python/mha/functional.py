@@ -135,7 +135,7 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
         else:
             raise Error(f"scaled_dot_product_attention: attn_mask must be bool (True = takes part) or float32 "
                         f"(added to the scores); got {attn_mask.dtype}")
-    if causal_alignment not in _ALIGN:
+    if not isinstance(causal_alignment, str) or causal_alignment not in _ALIGN:
         raise Error(f"scaled_dot_product_attention: causal_alignment must be 'top-left' or 'bottom-right'; got "
                     f"{causal_alignment!r}")
     p.causal = _ALIGN[causal_alignment] if is_causal else 0
@@ -274,7 +274,9 @@ def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align
         attn_mask = A.native(A.expand(attn_mask, (B, Hq, L, S)))
     if scale is not None and not (type(scale) is float and math.isfinite(scale)):
         return None
-    if align is None or type(is_causal) is not bool or backend not in _FAST_BACKENDS:
+    if align is None or type(is_causal) is not bool or type(enable_gqa) is not bool or type(backend) is not str:
+        return None
+    if backend not in _FAST_BACKENDS:
         return None
     if type(num_threads) is not int or not 0 <= num_threads <= _mha.MAX_THREADS:
         return None
@@ -300,9 +302,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  sink_tokens=0):
     """See the module docstring. Returns out, or a tuple (out, [lse], [weights]) with the extras
     asked for: lse (..., Hq, L), weights (..., Hq, L, S) or averaged over heads (..., L, S)."""
-    if (dropout_p == 0.0 and key_lengths is None and window == 0 and not return_lse and not return_weights
-            and softcap == 0.0 and alibi_slopes is None and sinks is None and sink_tokens == 0
-            and type(dropout_p) is float and type(window) is int and type(softcap) is float):
+    # Types before values: an array's == is an array, and its truth an error.
+    if (type(dropout_p) is float and dropout_p == 0.0 and type(window) is int and window == 0
+            and type(softcap) is float and softcap == 0.0 and type(sink_tokens) is int and sink_tokens == 0
+            and key_lengths is None and alibi_slopes is None and sinks is None and dropout_seed is None
+            and return_lse is False and return_weights is False and average_weights is False
+            and type(causal_alignment) is str):
         out = _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, _ALIGN.get(causal_alignment),
                          num_threads, backend)
         if out is not None:
@@ -311,7 +316,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     name = "scaled_dot_product_attention"
     dropout_p = A.check_number(dropout_p, f"{name}: dropout_p", 0.0, 1.0)
     num_threads = A.check_int(num_threads, f"{name}: num_threads", 0, _mha.MAX_THREADS)
-    if backend not in ("auto", "reference", "fast"):
+    flags = [A.check_bool(x, f"{name}: {n}") for x, n in ((is_causal, "is_causal"), (enable_gqa, "enable_gqa"),
+                                                           (return_lse, "return_lse"),
+                                                           (return_weights, "return_weights"),
+                                                           (average_weights, "average_weights"))]
+    is_causal, enable_gqa, return_lse, return_weights, average_weights = flags
+    if not isinstance(backend, str) or backend not in ("auto", "reference", "fast"):
         raise Error(f"{name}: backend must be 'auto', 'reference' or 'fast'; got {backend!r}")
     p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths)
     p.window = A.check_int(window, f"{name}: window", 0, 2**63 - 1)
@@ -362,6 +372,8 @@ def merge_attention(out, lse, part_out, part_lse, *, num_threads=0):
     scaled_dot_product_attention(..., return_lse=True). A part whose row saw no key (lse -inf,
     zeros) leaves the other unchanged. No gradient: the parts are taken as constants."""
     num_threads = A.check_int(num_threads, "merge_attention: num_threads", 0, _mha.MAX_THREADS)
+    for x, name in ((out, "out"), (lse, "lse"), (part_out, "part_out"), (part_lse, "part_lse")):
+        A.check_array(x, f"merge_attention: {name}")
     n = A.native
     _mha.merge_attention(n(out), n(lse), n(part_out), n(part_lse), num_threads)
     return out, lse

@@ -39,13 +39,29 @@ def _dtype_name(dtype):
     name = str(dtype).replace("torch.", "")
     if name in _DTYPE_NAMES:
         return name
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        pass
-    if name in _DTYPE_NAMES:
-        return name
-    raise Error(f"MultiheadAttention: dtype must be float32, bfloat16 or float16; got {dtype}")
+    if not isinstance(dtype, (np.generic, np.ndarray)) and not A.is_torch(dtype):  # a value is not a type
+        try:
+            name = np.dtype(dtype).name
+        except (TypeError, ValueError):
+            pass
+        if name in _DTYPE_NAMES:
+            return name
+    raise Error(f"MultiheadAttention: dtype must be float32, bfloat16 or float16; got {type(dtype).__name__} "
+                f"{dtype!r}")
+
+
+def _rotary(rotary, where):
+    """rotary= as the extension takes it: None or a dict (its keys and values are checked in C++)."""
+    if rotary is not None and not isinstance(rotary, dict):
+        raise Error(f"{where}: rotary must be None or a dict (dims, theta, ...); got {type(rotary).__name__} "
+                    f"{rotary!r}")
+    return rotary
+
+
+def _prefix(prefix, where):
+    if not isinstance(prefix, str):
+        raise Error(f"{where}: prefix must be a string; got {type(prefix).__name__} {prefix!r}")
+    return prefix
 
 
 def _out(kind, a):
@@ -58,8 +74,13 @@ def _out(kind, a):
 
 
 def _numpy_state_dict(state_dict):
+    if not hasattr(state_dict, "items"):
+        raise Error(f"MultiheadAttention: state_dict must map names to tensors or arrays; got "
+                    f"{type(state_dict).__name__}")
     out = {}
     for name, t in state_dict.items():
+        if not isinstance(name, str):
+            raise Error(f"MultiheadAttention: state_dict's names must be strings; got {type(name).__name__} {name!r}")
         if A.is_torch(t):
             t = t.detach().cpu()
             t = t.float() if t.is_floating_point() else t
@@ -90,14 +111,25 @@ class MultiheadAttention:
         # interleaved, scaling "none"/"linear"/"ntk"/"yarn", factor, original_max_positions,
         # beta_fast, beta_slow), qk_norm (RMSNorm per head, weights "q_norm.weight", "k_norm.weight"),
         # window (a sliding window: causal calls only) with sink_tokens (StreamingLLM's first positions).
-        self._m = _mha.Module(embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads or 0,
-                              kdim=kdim or 0, vdim=vdim or 0, bias=bias, attn_dropout=float(dropout),
-                              out_dropout=float(out_dropout), batch_first=batch_first, seed=seed,
-                              dtype=_dtype_name(dtype), softcap=float(softcap), alibi=bool(alibi), sinks=bool(sinks),
-                              qk_norm=bool(qk_norm), qk_norm_eps=float(qk_norm_eps), rotary=rotary,
-                              causal=1 if window else 0, window=int(window), sink_tokens=int(sink_tokens))
+        # Every argument is checked here, so that a wrong type is an mha.Error naming it (never
+        # nanobind's TypeError, never a string or a float taken for a number); C++ checks the values.
+        n = "MultiheadAttention"
+        dims = {k: A.check_int(x, f"{n}: {k}", -2**63, 2**63 - 1)
+                for k, x in (("embed_dim", embed_dim), ("num_heads", num_heads), ("window", window),
+                             ("sink_tokens", sink_tokens))}
+        dims.update({k: 0 if x is None else A.check_int(x, f"{n}: {k}", -2**63, 2**63 - 1)  # None or 0: the default
+                     for k, x in (("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim))})
+        flags = {k: A.check_bool(x, f"{n}: {k}") for k, x in (("bias", bias), ("batch_first", batch_first),
+                                                                ("alibi", alibi), ("sinks", sinks),
+                                                                ("qk_norm", qk_norm))}
+        self._m = _mha.Module(**dims, **flags, attn_dropout=A.check_number(dropout, f"{n}: dropout", 0.0, 1.0),
+                              out_dropout=A.check_number(out_dropout, f"{n}: out_dropout", 0.0, 1.0),
+                              seed=A.check_int(seed, f"{n}: seed", 0, 2**64 - 1), dtype=_dtype_name(dtype),
+                              softcap=A.check_number(softcap, f"{n}: softcap", 0.0),
+                              qk_norm_eps=A.check_number(qk_norm_eps, f"{n}: qk_norm_eps", 0.0),
+                              rotary=_rotary(rotary, n), causal=1 if dims["window"] else 0)
         self.training = True
-        self.num_threads = num_threads
+        self.num_threads = A.check_int(num_threads, f"{n}: num_threads", 0, _mha.MAX_THREADS)
         self.backend = "auto"
 
     # --- construction from PyTorch -----------------------------------------------------------
@@ -113,14 +145,22 @@ class MultiheadAttention:
         the weights hold "sinks" / "q_norm.weight" and "k_norm.weight"; softcap, alibi and rotary
         as in the constructor."""
         self = cls.__new__(cls)
-        self._m = _mha.Module.from_state_dict(_numpy_state_dict(state_dict), num_heads, causal=1 if causal else 0,
-                                              max_seq_len=max_seq_len, batch_first=batch_first,
-                                              attn_dropout=float(dropout), out_dropout=float(out_dropout),
-                                              prefix=prefix, dtype=_dtype_name(dtype), softcap=float(softcap),
-                                              alibi=bool(alibi), qk_norm_eps=float(qk_norm_eps), rotary=rotary,
-                                              window=int(window), sink_tokens=int(sink_tokens))
+        n = "MultiheadAttention.from_state_dict"
+        ints = {k: A.check_int(x, f"{n}: {k}", -2**63, 2**63 - 1)
+                for k, x in (("num_heads", num_heads), ("max_seq_len", max_seq_len), ("window", window),
+                             ("sink_tokens", sink_tokens))}
+        self._m = _mha.Module.from_state_dict(_numpy_state_dict(state_dict), **ints,
+                                              causal=1 if A.check_bool(causal, f"{n}: causal") else 0,
+                                              batch_first=A.check_bool(batch_first, f"{n}: batch_first"),
+                                              attn_dropout=A.check_number(dropout, f"{n}: dropout", 0.0, 1.0),
+                                              out_dropout=A.check_number(out_dropout, f"{n}: out_dropout", 0.0, 1.0),
+                                              prefix=_prefix(prefix, n), dtype=_dtype_name(dtype),
+                                              softcap=A.check_number(softcap, f"{n}: softcap", 0.0),
+                                              alibi=A.check_bool(alibi, f"{n}: alibi"),
+                                              qk_norm_eps=A.check_number(qk_norm_eps, f"{n}: qk_norm_eps", 0.0),
+                                              rotary=_rotary(rotary, n))
         self.training = True
-        self.num_threads = num_threads
+        self.num_threads = A.check_int(num_threads, f"{n}: num_threads", 0, _mha.MAX_THREADS)
         self.backend = "auto"
         return self
 
@@ -132,12 +172,19 @@ class MultiheadAttention:
         for it, and causal/max_seq_len/batch_first as it behaves. The dtype follows the module's
         parameters (bfloat16 and float16 stay, anything else becomes float32) unless dtype= is given."""
         torch = A.torch_module()
+        if torch is None or not isinstance(module, torch.nn.Module):
+            raise Error(f"MultiheadAttention.from_torch: module must be a torch.nn.Module; got {type(module).__name__}")
+        if num_heads is not None:
+            num_heads = A.check_int(num_heads, "MultiheadAttention.from_torch: num_heads", 1, 2**63 - 1)
         if "dtype" not in kwargs:
             # A bfloat16/float16 module stays 16-bit; float64 weights convert to float32, as before.
             params = list(module.parameters())
             dtype = params[0].dtype if params else None
             kwargs["dtype"] = dtype if dtype in (torch.bfloat16, torch.float16) else None
-        if torch is not None and isinstance(module, torch.nn.MultiheadAttention):
+        if isinstance(module, torch.nn.MultiheadAttention):
+            if num_heads not in (None, module.num_heads):
+                raise Error(f"MultiheadAttention.from_torch: num_heads={num_heads} but the module has "
+                            f"{module.num_heads}")
             if module.bias_k is not None or module.add_zero_attn:
                 raise Error("MultiheadAttention.from_torch: add_bias_kv and add_zero_attn are not supported by mha")
             self = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
@@ -160,7 +207,9 @@ class MultiheadAttention:
     def load_state_dict(self, state_dict, strict=True, prefix=""):
         """Copies weights in by torch's names. strict: names that are not weights of this module
         are an error (as torch's strict loading)."""
-        layout, used, ignored = self._m.load_state_dict(_numpy_state_dict(state_dict), prefix=prefix)
+        strict = A.check_bool(strict, "MultiheadAttention.load_state_dict: strict")
+        layout, used, ignored = self._m.load_state_dict(_numpy_state_dict(state_dict),
+                                                        prefix=_prefix(prefix, "MultiheadAttention.load_state_dict"))
         if strict and ignored:
             raise Error(f"MultiheadAttention.load_state_dict: unexpected keys {ignored} ({layout})")
         return layout
@@ -263,7 +312,7 @@ class MultiheadAttention:
                 bias = self._float_mask(attn_mask, "attn_mask")
         # is_causal without attn_mask: the analytic causal mask (top-left, as torch's), with block
         # skipping and O(T) memory; with attn_mask, torch takes is_causal as a hint and so does mha.
-        causal = 1 if is_causal and attn_mask is None else None
+        causal = 1 if A.check_bool(is_causal, "MultiheadAttention: is_causal") and attn_mask is None else None
         if key_padding_mask is not None:
             kp = key_padding_mask if batched else key_padding_mask[None]
             if tuple(kp.shape) != (N, S):
@@ -275,7 +324,7 @@ class MultiheadAttention:
                 kp4 = A.reshape(self._float_mask(kp, "key_padding_mask"), (N, 1, 1, S))
                 bias = kp4 if bias is None else bias + kp4
         # Settings travel with the call (the C++ module holds none): threads may share a module.
-        training = self.training if training is None else bool(training)
+        training = self.training if training is None else A.check_bool(training, "MultiheadAttention: training")
         seed = None if dropout_seed is None else A.check_int(dropout_seed, "MultiheadAttention: dropout_seed", 0,
                                                              2**64 - 1)
         if seed is None and training and self.dropout > 0:
@@ -283,7 +332,9 @@ class MultiheadAttention:
         out, weights = self._m.forward(A.native(q), None if self_attention else A.native(k),
                                        None if self_attention else A.native(v), keep_mask=A.native(keep),
                                        attn_bias=A.native(bias), key_padding_mask=A.native(kpm),
-                                       need_weights=bool(need_weights), average_weights=bool(average_attn_weights),
+                                       need_weights=A.check_bool(need_weights, "MultiheadAttention: need_weights"),
+                                       average_weights=A.check_bool(average_attn_weights,
+                                                                    "MultiheadAttention: average_attn_weights"),
                                        training=training, causal=causal, dropout_seed=seed,
                                        num_threads=self._num_threads(),
                                        backend=self.backend)
@@ -324,7 +375,11 @@ class MultiheadAttention:
         would. new_tokens[b]: how many of the n rows of sequence b are real (default all)."""
         kind = A.kind_of(x)
         self._check_input(x, "x")
-        counts = [A.check_int(n, "MultiheadAttention.step: new_tokens", 0, 2**63 - 1) for n in (new_tokens or [])]
+        if not isinstance(cache, KvCache):
+            raise Error(f"MultiheadAttention.step: cache must be a KvCache from make_cache(); got "
+                        f"{type(cache).__name__}")
+        counts = ([] if new_tokens is None else
+                  A.check_int_list(new_tokens, "MultiheadAttention.step: new_tokens", 0, 2**63 - 1))
         out = self._m.step(A.native(x), cache, counts, num_threads=self._num_threads())
         return _out(kind, out)
 

@@ -58,6 +58,11 @@ class PagedKvCache:
     def length(self, seq):
         return self._c.length(_id(seq, "length"))
 
+    def first_position(self, seq):
+        """0 unless a sliding window released seq's leading pages: block_table(seq) holds the
+        positions first_position(seq) .. length(seq)."""
+        return self._c.first_position(_id(seq, "first_position"))
+
     def block_table(self, seq):
         return list(self._c.block_table(_id(seq, "block_table")))
 
@@ -65,7 +70,7 @@ class PagedKvCache:
         """One decoding step: q (S, Hq, n, Dk) float32 for the sequences seqs -> (S, Hq, n, Dv)."""
         kind = A.kind_of(q)
         qn = _float32(q, "q")
-        seqs = [_id(s, "attend") for s in seqs]
+        seqs = A.check_int_list(seqs, "PagedKvCache.attend: seqs", -2**63, 2**63 - 1)
         if q.ndim != 4:
             raise Error(f"PagedKvCache.attend: q must be (S, Hq, n, Dk); got shape {tuple(q.shape)}")
         out = A.empty(kind, (q.shape[0], q.shape[1], q.shape[2], self._c.head_dim_v))

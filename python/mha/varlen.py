@@ -39,10 +39,9 @@ def _offsets(cu, name, kind):
 
 def _window(window_size, causal):
     """FlashAttention's (left, right) as mha's window (0: none)."""
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise Error(f"{_NAME}: window_size must be a pair (left, right); got {window_size!r}") from None
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise Error(f"{_NAME}: window_size must be a pair (left, right); got {window_size!r}")
+    left, right = (A.check_int(w, f"{_NAME}: window_size", -1, 2**63 - 2) for w in window_size)
     if (left, right) == (-1, -1):
         return 0
     if not causal or right not in (-1, 0) or left < 0:
@@ -118,7 +117,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     dropout_p = A.check_number(dropout_p, f"{_NAME}: dropout_p", 0.0, 1.0)
     num_threads = A.check_int(num_threads, f"{_NAME}: num_threads", 0, _mha.MAX_THREADS)
     scale = None if softmax_scale is None else A.check_number(softmax_scale, f"{_NAME}: softmax_scale")
-    window = _window(window_size, bool(causal))
+    causal = A.check_bool(causal, f"{_NAME}: causal")
+    A.check_bool(deterministic, f"{_NAME}: deterministic")
+    return_attn_probs = A.check_bool(return_attn_probs, f"{_NAME}: return_attn_probs")
+    window = _window(window_size, causal)
     cu_q = _offsets(cu_seqlens_q, "cu_seqlens_q", kind)
     cu_k = _offsets(cu_seqlens_k, "cu_seqlens_k", kind)
     for cu, m, name in ((cu_q, max_seqlen_q, "max_seqlen_q"), (cu_k, max_seqlen_k, "max_seqlen_k")):

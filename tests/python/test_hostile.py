@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mha
+import mha.distributed
 
 
 def test_more_than_2_to_31_keys_through_expand():
@@ -61,7 +62,10 @@ def test_thread_counts_outside_the_range_are_errors(threads):
     x = np.ones((1, 2, 5, 4), dtype=np.float32)
     with pytest.raises(mha.Error, match="num_threads"):
         mha.scaled_dot_product_attention(x, x, x, num_threads=threads)
-    m = mha.MultiheadAttention(8, 2, batch_first=True, num_threads=threads).eval()
+    with pytest.raises(mha.Error, match="num_threads"):
+        mha.MultiheadAttention(8, 2, batch_first=True, num_threads=threads)
+    m = mha.MultiheadAttention(8, 2, batch_first=True).eval()
+    m.num_threads = threads  # an attribute, set freely as torch's are: checked at each call
     y = np.ones((1, 3, 8), dtype=np.float32)
     with pytest.raises(mha.Error, match="num_threads"):
         m(y, y, y)
@@ -197,3 +201,105 @@ def test_a_non_finite_token_reaches_only_the_later_rows_of_a_step(dtype):
     assert not np.isfinite(y[0, 11]).any()
     tol = 2**-7 if dtype == "int4" else 2**-9 if dtype == "int8" else 1e-5
     np.testing.assert_allclose(y[0, :11], alone[0], rtol=tol, atol=tol)
+
+
+# --- every argument of the public API, one hostile value at a time ----------------------------
+
+# Values no argument takes as they are: each must be an mha.Error naming the argument (not
+# nanobind's TypeError with its signature dump, not Python's own error from deep inside, not a
+# string or an array taken for its truth value).
+REFUSED_EVERYWHERE = [object(), "3", float("nan"), float("inf"), (1, 2, 3), np.array([0.0, 1.0])]
+# Refused too, but by the arguments that are plain real numbers (softcap, scale...).
+REFUSED_BUT_BY_REALS = [1.5, 2**70, -(2**70)]
+REALS = {"softcap", "qk_norm_eps", "scale", "softmax_scale"}
+# Tried as well: each either works or is an mha.Error.
+ALSO_TRIED = [None, True, -1, 0, 2**64 - 1, [1], np.int64(2), np.float32(0.5), torch.tensor(2),
+              np.zeros(3, dtype=np.int64), torch.ones(2, 2, dtype=torch.bool), np.zeros((1, 2, 0, 8), np.float32)]
+
+
+def public_calls():
+    """(name, function, positional arguments, keyword arguments) of calls that work as given."""
+    q = torch.randn(1, 2, 5, 8)
+    packed = torch.randn(5, 2, 8)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    m = mha.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 3, 8)
+    yield ("MultiheadAttention", mha.MultiheadAttention, (8, 2),
+           dict(dropout=0.0, bias=True, kdim=None, vdim=None, batch_first=True, dtype=None, num_kv_heads=None,
+                out_dropout=0.0, seed=0, num_threads=0, softcap=0.0, alibi=False, sinks=False, rotary=None,
+                qk_norm=False, qk_norm_eps=1e-6, window=0, sink_tokens=0))
+    yield ("from_state_dict", mha.MultiheadAttention.from_state_dict, (m.state_dict(), 2),
+           dict(causal=False, max_seq_len=0, batch_first=True, dropout=0.0, out_dropout=0.0, prefix="",
+                num_threads=0, dtype=None, softcap=0.0, alibi=False, rotary=None, qk_norm_eps=1e-6, window=0,
+                sink_tokens=0))
+    yield ("forward", m.forward, (x, x, x),
+           dict(key_padding_mask=None, need_weights=True, attn_mask=None, average_attn_weights=True,
+                is_causal=False, keep_mask=None, dropout_seed=None, training=None))
+    yield "load_state_dict", m.load_state_dict, (m.state_dict(),), dict(strict=True, prefix="")
+    yield "from_torch", mha.MultiheadAttention.from_torch, (torch.nn.MultiheadAttention(8, 2),), dict(num_heads=None)
+    yield "make_cache", m.make_cache, (1,), dict(capacity=0, dtype=None)
+    yield "step", m.step, (x, m.make_cache(1)), dict(new_tokens=[3])
+    kv = m.make_cache(2)
+    yield "KvCache.length", kv.length, (0,), {}
+    yield "KvCache.stored", kv.stored, (0,), {}
+    yield ("scaled_dot_product_attention", mha.scaled_dot_product_attention, (q, q, q),
+           dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                causal_alignment="top-left", key_lengths=None, window=0, return_lse=False, return_weights=False,
+                average_weights=False, dropout_seed=None, num_threads=0, backend="auto", softcap=0.0,
+                alibi_slopes=None, sinks=None, sink_tokens=0))
+    out, lse = mha.scaled_dot_product_attention(q, q, q, return_lse=True)
+    yield "merge_attention", mha.merge_attention, (out.clone(), lse.clone(), out, lse), dict(num_threads=0)
+    yield ("varlen_attention", mha.varlen_attention, (packed, packed, packed, cu, cu, 5, 5),
+           dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None, deterministic=False, return_attn_probs=False, dropout_seed=None, num_threads=0))
+    yield ("PagedKvCache", mha.PagedKvCache, (1, 8),
+           dict(head_dim_v=None, page_size=16, pages=2, max_pages=0, window=0, dtype="float32"))
+    cache = mha.PagedKvCache(kv_heads=2, head_dim=8, page_size=16, pages=2, max_pages=6)
+    s = cache.add_sequence()
+    cache.append(s, torch.randn(2, 20, 8), torch.randn(2, 20, 8))
+    for name in ("fork", "length", "first_position", "block_table", "keys_as_float", "values_as_float",
+                 "references"):
+        yield f"PagedKvCache.{name}", getattr(cache, name), (s,), {}
+    yield "PagedKvCache.append", cache.append, (s, torch.randn(2, 1, 8), torch.randn(2, 1, 8)), {}
+    yield "PagedKvCache.attend", cache.attend, (torch.randn(1, 4, 1, 8), [s]), dict(num_threads=0)
+    yield "PagedKvCache.free_sequence", cache.free_sequence, (cache.fork(s),), {}
+    full = torch.randn(2, 3, 8, 4)
+    yield "shard_sequence", mha.distributed.shard_sequence, (full, 1, 2), dict(layout="zigzag", dim=-2)
+    yield ("unshard_sequence", mha.distributed.unshard_sequence, ([full[:, :, :4], full[:, :, 4:]],),
+           dict(layout="zigzag", dim=-2))
+
+
+def paged_state(cache):
+    """Everything a PagedKvCache shows: a failed call must leave all of it as it was."""
+    seqs = cache.sequences
+    return (cache.pages, cache.free_pages, seqs, [cache.references(p) for p in range(cache.pages)],
+            [(cache.length(s), cache.first_position(s), cache.block_table(s), cache.keys_as_float(s).tobytes(),
+              cache.values_as_float(s).tobytes()) for s in seqs])
+
+
+def test_every_argument_refuses_hostile_values():
+    refusals = 0
+    for name, fn, args, kwargs in public_calls():
+        fn(*args, **kwargs)  # the call as given works
+        cache = getattr(fn, "__self__", None)
+        slots = [(i, f"argument {i}") for i in range(len(args))] + [(k, k) for k in kwargs]
+        for slot, label in slots:
+            must_refuse = REFUSED_EVERYWHERE + ([] if label in REALS else REFUSED_BUT_BY_REALS)
+            for bad in must_refuse + ALSO_TRIED:
+                a, kw = list(args), dict(kwargs)
+                if isinstance(slot, int):
+                    a[slot] = bad
+                else:
+                    kw[slot] = bad
+                before = paged_state(cache) if isinstance(cache, mha.PagedKvCache) else None
+                try:
+                    fn(*a, **kw)
+                except mha.Error:
+                    refusals += 1
+                    if before is not None:
+                        assert paged_state(cache) == before, f"{name}({label}={bad!r}) failed but changed the pool"
+                    continue
+                except Exception as e:  # noqa: BLE001 — the defect this test looks for
+                    pytest.fail(f"{name}({label}={bad!r}) raised {type(e).__name__}, not mha.Error: {e}")
+                assert not any(bad is r for r in must_refuse), f"{name} accepted {label}={bad!r}"
+    assert refusals > 2000  # the sweep ran: 133 arguments × 21 values, 2,578 refusals when written
