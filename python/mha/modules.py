@@ -250,7 +250,7 @@ class MultiheadAttention:
         return m if got == "float32" else A.to_float32(m)
 
     def train(self, mode=True):
-        self.training = bool(mode)
+        self.training = A.check_bool(mode, "MultiheadAttention.train: mode")  # torch refuses non-bools too
         return self
 
     def eval(self):
@@ -324,7 +324,10 @@ class MultiheadAttention:
                 kp4 = A.reshape(self._float_mask(kp, "key_padding_mask"), (N, 1, 1, S))
                 bias = kp4 if bias is None else bias + kp4
         # Settings travel with the call (the C++ module holds none): threads may share a module.
-        training = self.training if training is None else A.check_bool(training, "MultiheadAttention: training")
+        # The attributes are set freely, as torch's are: checked here, at each call.
+        training = A.check_bool(self.training if training is None else training, "MultiheadAttention: training")
+        if not isinstance(self.backend, str):
+            raise Error(f"MultiheadAttention: backend must be 'auto', 'reference' or 'fast'; got {self.backend!r}")
         seed = None if dropout_seed is None else A.check_int(dropout_seed, "MultiheadAttention: dropout_seed", 0,
                                                              2**64 - 1)
         if seed is None and training and self.dropout > 0:

@@ -73,6 +73,18 @@ def test_thread_counts_outside_the_range_are_errors(threads):
         m.step(y, m.make_cache(1))
 
 
+@pytest.mark.parametrize("attribute, value", [("training", "yes"), ("training", None), ("backend", 3),
+                                              ("backend", "bogus"), ("num_threads", None)])
+def test_attributes_set_freely_are_checked_at_each_call(attribute, value):
+    m = mha.MultiheadAttention(8, 2, batch_first=True)
+    setattr(m, attribute, value)
+    x = torch.randn(1, 3, 8)
+    with pytest.raises(mha.Error, match=attribute):
+        m(x, x, x)
+    with pytest.raises(mha.Error, match="mode"):
+        m.train("no")  # a string's truth value would be True
+
+
 def test_nothing_to_compute_returns_at_once():
     # 2^40 batches, Dv = 0: no output element. This looped over every batch entry for minutes.
     q = torch.zeros(1, 1, 3, 4).expand(2**40, 1, 3, 4)
