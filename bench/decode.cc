@@ -15,6 +15,7 @@
 
 #include "bench/suite.h"
 #include "mha/attention.h"
+#include "mha/error.h"
 #include "mha/kv_cache.h"
 #include "mha/paged_kv_cache.h"
 
@@ -64,6 +65,7 @@ void run_decode(const Options& o, const Peer* peer) {
   std::ofstream csv;
   if (!o.csv.empty()) {
     csv.open(o.csv, std::ios::app);
+    if (!csv) throw Error(fmt::format("bench: cannot write '{}'", o.csv));
     csv << "decode,case,cache_mib,L,mha_seconds,mha_gbps,percent_of_read_bandwidth,peer_seconds,peer_gbps,ratio\n";
   }
   for (size_t i = 0; i < cases.size(); ++i) {

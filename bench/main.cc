@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   app.add_flag("--decode", decode, "Only the decoding table (KV caches of 1 to 256 MiB against memory bandwidth)");
   app.add_flag("--train", train, "Only the training table (attention backward, forward + backward, module steps)");
   CLI11_PARSE(app, argc, argv);
+  mha::bench::check_output_paths(o);
   if (memory) {
     mha::bench::memory_check(o.threads, false);
     mha::bench::memory_check(o.threads, true);

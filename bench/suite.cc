@@ -11,6 +11,7 @@
 #include <numeric>
 
 #include "mha/attention.h"
+#include "mha/error.h"
 #include "mha/varlen.h"
 #include "mha/multi_head_attention.h"
 
@@ -398,6 +399,7 @@ void report(const std::vector<Row>& rows, double peak, const Options& o, const P
   }
   if (!o.csv.empty()) {
     std::ofstream f(o.csv);
+    if (!f) throw Error(fmt::format("bench: cannot write '{}'", o.csv));
     f << "suite,case,shape,flops,mha_seconds,mha_gflops,percent_of_peak,peer,peer_seconds,peer_gflops,ratio\n";
     for (const Row& r : rows) {
       const double g = r.flops / r.mha_s / 1e9;
@@ -419,7 +421,16 @@ void report(const std::vector<Row>& rows, double peak, const Options& o, const P
       if (r.peer_s > 0) e["peer_seconds"] = r.peer_s, e["peer_gflops"] = r.flops / r.peer_s / 1e9;
       j["rows"].push_back(e);
     }
-    std::ofstream(o.json) << j.dump(1) << "\n";
+    std::ofstream f(o.json);
+    if (!(f << j.dump(1) << "\n")) throw Error(fmt::format("bench: cannot write '{}'", o.json));
+  }
+}
+
+void check_output_paths(const Options& o) {
+  for (const std::string& path : {o.csv, o.json}) {
+    if (!path.empty() && !std::ofstream(path, std::ios::app)) {
+      throw Error(fmt::format("bench: cannot write '{}' (does its directory exist?)", path));
+    }
   }
 }
 

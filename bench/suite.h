@@ -139,6 +139,10 @@ double memory_check(int threads, bool causal);
 std::vector<Row> run_suites(const Options& options, const Peer* peer, bool sweep);
 void report(const std::vector<Row>& rows, double peak_gflops, const Options& options, const Peer* peer);
 
+// Throws mha::Error naming options.csv or options.json if either cannot be written: checked
+// before the measurements, not found out after minutes of them (each is opened for appending).
+void check_output_paths(const Options& options);
+
 }  // namespace mha::bench
 
 #endif  // MHA_BENCH_SUITE_H_

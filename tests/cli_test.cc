@@ -121,9 +121,26 @@ TEST(Cli, OptionErrorsExitWithOneAndAShortMessage) {
   expect_cli_error("forward" + files, "--heads");  // required
   expect_cli_error("forward" + files + " --heads 4 --no-such-option", "no-such-option");
   expect_cli_error("no-such-command", "subcommand");
+  // Numbers CLI11 would take as doubles; tables that would ignore an option; paths found unwritable
+  // only after minutes of measuring.
+  expect_cli_error("bench --seconds nan", "--seconds: must be a number in (0, 3600]; got 'nan'");
+  expect_cli_error("bench --seconds 0", "got '0'");
+  expect_cli_error("bench --seconds 1e9", "got '1e9'");
+  expect_cli_error("train --lr inf", "--lr: must be a number in (0, 1]; got 'inf'");
+  expect_cli_error("train --lr -1", "got '-1'");
+  expect_cli_error("bench --decode --train", "--decode excludes --train");
+  expect_cli_error("bench --sweep --varlen", "excludes");
+  expect_cli_error("bench --peak --csv " + temp_path("peak.csv"), "--peak excludes --csv");
+  expect_cli_error("bench --decode --json " + temp_path("decode.json"), "excludes");
+  expect_cli_error("bench --train --csv " + temp_path("no-such-dir/train.csv"), "cannot write");
   const Result r = run("forward" + files + " --heads 0");
   EXPECT_LT(r.output.size(), 200u) << r.output;  // not the 309 digits of the double maximum
   EXPECT_EQ(run("--help").status, 0);
+  // --threads 0 is all available threads in bench too (its peak loop ran on none and printed 0).
+  const Result peak = run("bench --peak --threads 0");
+  EXPECT_EQ(peak.status, 0) << peak.output;
+  EXPECT_NE(peak.output.find("fp32 FMA peak"), std::string::npos) << peak.output;
+  EXPECT_EQ(peak.output.find("on 0 threads"), std::string::npos) << peak.output;
 }
 
 TEST(Cli, ADirectoryForAFileIsNamed) {

@@ -4,15 +4,17 @@
 
 #include "bench/suite.h"
 #include "tools/commands.h"
+#include "util/parallel.h"
 
 namespace mha::tools {
 
 int run_bench(const BenchArgs& args) {
   bench::Options o;
-  o.threads = args.threads;
+  o.threads = resolve_threads(args.threads);  // 0: all available, as everywhere else
   o.seconds = args.seconds;
   o.csv = args.csv;
   o.json = args.json;
+  bench::check_output_paths(o);
   if (args.peak) {
     const double peak = std::max(bench::measure_peak_gflops(o.threads), bench::measure_peak_gflops(o.threads));
     const double bf16 = std::max(bench::measure_bf16_peak_gflops(o.threads), bench::measure_bf16_peak_gflops(o.threads));

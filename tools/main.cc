@@ -2,7 +2,10 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "mha/attention.h"
 #include "mha/error.h"
@@ -22,6 +25,21 @@ CLI::Validator IntegerIn(long long lo, long long hi, const std::string& expected
         } catch (const std::exception&) {
         }
         return "must be " + expected + "; got '" + value + "'";
+      },
+      name);
+}
+
+// A real option in (lo, hi]: finite (CLI11 reads "nan" and "inf" as doubles).
+CLI::Validator RealAbove(double lo, double hi, const std::string& name) {
+  return CLI::Validator(
+      [=](std::string& value) -> std::string {
+        try {
+          size_t used = 0;
+          const double v = std::stod(value, &used);
+          if (used == value.size() && std::isfinite(v) && v > lo && v <= hi) return "";
+        } catch (const std::exception&) {
+        }
+        return fmt::format("must be a number in ({}, {}]; got '{}'", lo, hi, value);
       },
       name);
 }
@@ -62,7 +80,7 @@ int main(int argc, char** argv) {
   CLI::App* train = app.add_subcommand("train", "Train a small GPT built from mha layers to reverse digit sequences");
   train->add_option("--length", ta.length, "Digits per sequence")->check(CLI::Range(1, 64));
   train->add_option("--steps", ta.steps, "Most training steps (stops at 99% token accuracy)")->check(kPositive);
-  train->add_option("--lr", ta.lr, "Adam learning rate");
+  train->add_option("--lr", ta.lr, "Adam learning rate")->check(RealAbove(0, 1, "LR"));
   train->add_option("--seed", ta.seed, "Seed of the weights and the data");
   train->add_option("--threads", ta.threads, "Threads (0: all)")->check(kThreads);
 
@@ -70,8 +88,8 @@ int main(int argc, char** argv) {
 
   mha::tools::BenchArgs ba;
   CLI::App* bench = app.add_subcommand("bench", "Benchmark attention and the module (GFLOP/s, % of measured peak)");
-  bench->add_option("--threads", ba.threads, "Threads")->check(kThreads);
-  bench->add_option("--seconds", ba.seconds, "Measuring time per case");
+  bench->add_option("--threads", ba.threads, "Threads (default 2; 0: all available)")->check(kThreads);
+  bench->add_option("--seconds", ba.seconds, "Measuring time per case")->check(RealAbove(0, 3600, "SECONDS"));
   bench->add_flag("--sweep", ba.sweep, "Also sweep the sequence length");
   bench->add_flag("--memory", ba.memory, "Only measure the peak memory of (1, 8, 32768, 64) attention");
   bench->add_flag("--decode", ba.decode, "Only the decoding table (KV caches against memory bandwidth)");
@@ -80,8 +98,17 @@ int main(int argc, char** argv) {
   bench->add_flag("--varlen", ba.varlen, "Only the variable-length table: packed, one by one and padded");
   bench->add_flag("--variants", ba.variants, "Only the score-variant table: softcap, ALiBi, sinks against plain");
   bench->add_flag("--peak", ba.peak, "Only measure this machine's fp32 FMA peak (bench/peers.sh reads it)");
-  bench->add_option("--csv", ba.csv, "Write the table as CSV");
-  bench->add_option("--json", ba.json, "Write the table as JSON");
+  CLI::Option* csv = bench->add_option("--csv", ba.csv, "Write the table as CSV (the suite, --train, --decode)");
+  CLI::Option* json = bench->add_option("--json", ba.json, "Write the table as JSON (the suite, --train)");
+  // One table per run, and --csv / --json only where the table writes them: never silently ignored.
+  const std::vector<std::string> modes = {"--memory", "--decode", "--train", "--dtypes", "--varlen", "--variants",
+                                          "--peak"};
+  for (size_t i = 0; i < modes.size(); ++i) {
+    for (size_t j = i + 1; j < modes.size(); ++j) bench->get_option(modes[i])->excludes(modes[j]);
+    bench->get_option("--sweep")->excludes(modes[i]);  // the suite's alone
+    if (modes[i] != "--train" && modes[i] != "--decode") csv->excludes(modes[i]);
+    if (modes[i] != "--train") json->excludes(modes[i]);
+  }
 
   // Usage errors exit with 1, as every other error (CLI11's own codes are 100 and up); --help
   // prints and exits with 0. Arguments quoted in messages are made printable.
