@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+import mha
 import mha.integrations.transformers as mt
 
 # scripts/py-env.sh installs transformers: a missing one fails here, never skips.
@@ -110,8 +111,9 @@ def test_register_makes_the_name_known():
     assert "mha" in transformers.masking_utils.AttentionMaskInterface._global_mapping
     assert mt.register("mha-test") == "mha-test"
     assert transformers.AttentionInterface._global_mapping["mha-test"] is mt.attention_forward
-    with pytest.raises(ValueError, match="name"):
-        mt.register("")
+    for bad in ("", None, 3):
+        with pytest.raises(mha.Error, match="name"):  # an mha.Error is a ValueError too
+            mt.register(bad)
 
 
 def test_models_call_mhas_attention(monkeypatch):

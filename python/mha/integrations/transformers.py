@@ -37,6 +37,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .._mha import Error
 from ..functional import scaled_dot_product_attention
 
 __all__ = ["attention_forward", "register"]
@@ -119,7 +120,7 @@ def register(name="mha"):
     """Registers mha's attention and transformers' boolean (sdpa-style) mask under `name`, so
     that `attn_implementation=name` selects them. Idempotent."""
     if not isinstance(name, str) or not name:
-        raise ValueError(f"mha.integrations.transformers.register: name must be a non-empty string; got {name!r}")
+        raise Error(f"mha.integrations.transformers.register: name must be a non-empty string; got {name!r}")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
