@@ -81,8 +81,13 @@ def test_attributes_set_freely_are_checked_at_each_call(attribute, value):
     x = torch.randn(1, 3, 8)
     with pytest.raises(mha.Error, match=attribute):
         m(x, x, x)
+
+
+def test_train_takes_only_a_flag():
+    m = mha.MultiheadAttention(8, 2)
     with pytest.raises(mha.Error, match="mode"):
-        m.train("no")  # a string's truth value would be True
+        m.train("no")  # a string's truth value is True
+    assert m.training is True and m.train(0).training is False  # 0 and 1 are flags everywhere in mha
 
 
 def test_nothing_to_compute_returns_at_once():
