@@ -10,11 +10,11 @@ namespace mha::tools {
 
 int run_bench(const BenchArgs& args) {
   bench::Options o;
-  o.threads = resolve_threads(args.threads);  // 0: all available, as everywhere else
-  o.seconds = args.seconds;
   o.csv = args.csv;
   o.json = args.json;
-  bench::check_output_paths(o);
+  bench::check_output_paths(o);  // first: a usage error, before the thread pool starts
+  o.threads = resolve_threads(args.threads);  // 0: all available, as everywhere else
+  o.seconds = args.seconds;
   if (args.peak) {
     const double peak = std::max(bench::measure_peak_gflops(o.threads), bench::measure_peak_gflops(o.threads));
     const double bf16 = std::max(bench::measure_bf16_peak_gflops(o.threads), bench::measure_bf16_peak_gflops(o.threads));
