@@ -140,6 +140,10 @@ TEST(HostileAccessors, ViewAtIsChecked) {
   expect_error([&] { v.at(0, -1); }, {"View::at", "(0, -1, 0, 0)"});
   expect_error([&] { v.at(0, 0, 1); }, {"View::at", "past the rank"});
   expect_error([&] { v.at(int64_t{1} << 40); }, {"View::at", "1099511627776"});
+  EXPECT_EQ(v.transposed(0, 1).at(2, 1), 5.0f);
+  expect_error([&] { (void)v.transposed(0, 2); }, {"View::transposed", "0 and 2", "[0, 2)", "(2, 3)"});
+  expect_error([&] { (void)v.transposed(-1, 0); }, {"View::transposed", "-1"});
+  expect_error([&] { (void)View<const float>().transposed(0, 0); }, {"View::transposed", "[0, 0)"});
   // A shape whose element count overflows int64: the row-major strides wrap (no undefined
   // behaviour) and numel() is an error naming the shape.
   const int64_t big = int64_t{1} << 32;

@@ -91,8 +91,12 @@ struct View {
     }
     return data[i0 * stride[0] + i1 * stride[1] + i2 * stride[2] + i3 * stride[3]];
   }
-  // The same memory with two dimensions swapped (no copy).
+  // The same memory with dimensions a and b (each in [0, rank)) swapped (no copy).
   View transposed(int a, int b) const {
+    if (a < 0 || a >= rank || b < 0 || b >= rank) {
+      throw Error("View::transposed: dimensions " + std::to_string(a) + " and " + std::to_string(b) +
+                  " must be in [0, " + std::to_string(rank) + ") for shape " + shape_string(*this));
+    }
     View t = *this;
     std::swap(t.shape[a], t.shape[b]);
     std::swap(t.stride[a], t.stride[b]);
