@@ -293,15 +293,8 @@ TEST_P(HalfTest, RandomProblems) {
     p.bthd = rng.coin(0.5);
     p.make(rng);
     const std::vector<int64_t> full = {p.B, p.Hq, p.Tq, p.Tk};
-    auto bshape = [&] {
-      const int rank = static_cast<int>(rng.range(1, 4));
-      std::vector<int64_t> s(full.end() - rank, full.end());
-      for (auto& x : s)
-        if (rng.coin(0.4)) x = 1;
-      return s;
-    };
-    if (rng.coin(0.3)) p.keep = random_mask(rng, bshape(), rng.coin(0.5) ? 0.9 : 0.3);
-    if (rng.coin(0.3)) p.bias = random_tensor(rng, bshape());
+    if (rng.coin(0.3)) p.keep = random_mask(rng, broadcast_shape(rng, full), rng.coin(0.5) ? 0.9 : 0.3);
+    if (rng.coin(0.3)) p.bias = random_tensor(rng, broadcast_shape(rng, full));
     if (rng.coin(0.3)) p.lengths = random_lengths(rng, p.B, p.Tk);
     p.opt.causal = static_cast<Causal>(rng.range(0, 2));
     if (p.opt.causal != Causal::kNone && rng.coin(0.3)) p.opt.window = rng.range(1, 80);

@@ -132,7 +132,7 @@ TEST(HostileAccessors, KvCacheSequenceIndexIsChecked) {
   }
 }
 
-TEST(HostileAccessors, ViewAtIsChecked) {
+TEST(HostileAccessors, ViewAccessorsAreChecked) {
   float data[6] = {0, 1, 2, 3, 4, 5};
   const View<const float> v(data, {2, 3});
   EXPECT_EQ(v.at(1, 2), 5.0f);

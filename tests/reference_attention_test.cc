@@ -28,15 +28,6 @@ struct Problem {
   }
 };
 
-// A broadcastable shape for (B, Hq, Tq, Tk): random rank, random dims set to 1.
-std::vector<int64_t> broadcast_shape(Rng& rng, const std::vector<int64_t>& full) {
-  const int rank = static_cast<int>(rng.range(1, 4));
-  std::vector<int64_t> s(full.end() - rank, full.end());
-  for (auto& d : s)
-    if (rng.coin(0.4)) d = 1;
-  return s;
-}
-
 Problem random_problem(Rng& rng, int64_t max_t = 40, int64_t max_d = 40) {
   Problem p;
   p.B = rng.range(1, 3);

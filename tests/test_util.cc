@@ -68,6 +68,14 @@ Tensor random_mask(Rng& rng, std::vector<int64_t> shape, double keep_probability
   return t;
 }
 
+std::vector<int64_t> broadcast_shape(Rng& rng, const std::vector<int64_t>& full) {
+  const int64_t rank = std::min<int64_t>(rng.range(1, 4), static_cast<int64_t>(full.size()));
+  std::vector<int64_t> s(full.end() - rank, full.end());
+  for (auto& d : s)
+    if (rng.coin(0.4)) d = 1;
+  return s;
+}
+
 Tensor random_lengths(Rng& rng, int64_t B, int64_t Tk) {
   Tensor t(DType::kI64, {B});
   for (int64_t b = 0; b < B; ++b) t.data<int64_t>()[b] = static_cast<int64_t>(rng.range(0, Tk));

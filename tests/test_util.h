@@ -55,6 +55,9 @@ class Rng {
 
 Tensor random_tensor(Rng& rng, std::vector<int64_t> shape, float scale = 1.0f);
 Tensor random_mask(Rng& rng, std::vector<int64_t> shape, double keep_probability);
+// A shape that broadcasts to `full` (such as (B, Hq, Tq, Tk)): its last 1 to 4 dims, each set to 1
+// with probability 0.4.
+std::vector<int64_t> broadcast_shape(Rng& rng, const std::vector<int64_t>& full);
 // Key lengths (B,) int64, each uniform in [0, Tk].
 Tensor random_lengths(Rng& rng, int64_t B, int64_t Tk);
 
