@@ -69,6 +69,16 @@ def check_bool(x, name):
     raise Error(f"{name} must be True or False; got {type(x).__name__} {x!r}")
 
 
+BACKENDS = ("auto", "reference", "fast")
+
+
+def check_backend(x, name):
+    """Which kernels run: "auto" (the fast ones where they apply), "reference" or "fast"."""
+    if type(x) is not str or x not in BACKENDS:
+        raise Error(f"{name}: backend must be 'auto', 'reference' or 'fast'; got {x!r}")
+    return x
+
+
 def check_int_list(x, name, lo, hi):
     """A sequence of integers in [lo, hi] (a list, a tuple, any iterable but a string, or a 1-d
     numpy array or torch tensor), as a list of int."""

@@ -211,7 +211,6 @@ def _run_forward(p, kind, dropout_p, seed, num_threads, backend, want_lse, want_
     return out, lse, weights
 
 
-_FAST_BACKENDS = ("auto", "reference", "fast")
 _FAST_NUMPY = ("f", "e")  # dtype.char of float32, float16 (a string test: dtype == dtype is slow)
 # Once torch is seen: (torch.Tensor, its float dtypes, mask dtypes, torch.bool, is_grad_enabled, to_dlpack).
 _fast_torch = None
@@ -276,7 +275,7 @@ def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align
         return None
     if align is None or type(is_causal) is not bool or type(enable_gqa) is not bool or type(backend) is not str:
         return None
-    if backend not in _FAST_BACKENDS:
+    if backend not in A.BACKENDS:
         return None
     if type(num_threads) is not int or not 0 <= num_threads <= _mha.MAX_THREADS:
         return None
@@ -321,8 +320,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                                            (return_weights, "return_weights"),
                                                            (average_weights, "average_weights"))]
     is_causal, enable_gqa, return_lse, return_weights, average_weights = flags
-    if not isinstance(backend, str) or backend not in ("auto", "reference", "fast"):
-        raise Error(f"{name}: backend must be 'auto', 'reference' or 'fast'; got {backend!r}")
+    backend = A.check_backend(backend, name)
     p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, key_lengths)
     p.window = A.check_int(window, f"{name}: window", 0, 2**63 - 1)
     p.sink_tokens = A.check_int(sink_tokens, f"{name}: sink_tokens", 0, 2**63 - 1)

@@ -95,6 +95,14 @@ def _numpy_state_dict(state_dict):
     return out
 
 
+def _shared_arguments(name, dropout, out_dropout, dtype, softcap, qk_norm_eps, rotary):
+    """The constructor's and from_state_dict's common arguments, checked, as the extension's keywords."""
+    return dict(attn_dropout=A.check_number(dropout, f"{name}: dropout", 0.0, 1.0),
+                out_dropout=A.check_number(out_dropout, f"{name}: out_dropout", 0.0, 1.0),
+                dtype=_dtype_name(dtype), softcap=A.check_number(softcap, f"{name}: softcap", 0.0),
+                qk_norm_eps=A.check_number(qk_norm_eps, f"{name}: qk_norm_eps", 0.0), rotary=_rotary(rotary, name))
+
+
 class MultiheadAttention:
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, num_kv_heads=None,
@@ -122,15 +130,10 @@ class MultiheadAttention:
         flags = {k: A.check_bool(x, f"{n}: {k}") for k, x in (("bias", bias), ("batch_first", batch_first),
                                                                 ("alibi", alibi), ("sinks", sinks),
                                                                 ("qk_norm", qk_norm))}
-        self._m = _mha.Module(**dims, **flags, attn_dropout=A.check_number(dropout, f"{n}: dropout", 0.0, 1.0),
-                              out_dropout=A.check_number(out_dropout, f"{n}: out_dropout", 0.0, 1.0),
-                              seed=A.check_int(seed, f"{n}: seed", 0, 2**64 - 1), dtype=_dtype_name(dtype),
-                              softcap=A.check_number(softcap, f"{n}: softcap", 0.0),
-                              qk_norm_eps=A.check_number(qk_norm_eps, f"{n}: qk_norm_eps", 0.0),
-                              rotary=_rotary(rotary, n), causal=1 if dims["window"] else 0)
-        self.training = True
-        self.num_threads = A.check_int(num_threads, f"{n}: num_threads", 0, _mha.MAX_THREADS)
-        self.backend = "auto"
+        self._m = _mha.Module(**dims, **flags, **_shared_arguments(n, dropout, out_dropout, dtype, softcap,
+                                                                   qk_norm_eps, rotary),
+                              seed=A.check_int(seed, f"{n}: seed", 0, 2**64 - 1), causal=1 if dims["window"] else 0)
+        self._set_call_settings(n, num_threads)
 
     # --- construction from PyTorch -----------------------------------------------------------
 
@@ -150,19 +153,20 @@ class MultiheadAttention:
                 for k, x in (("num_heads", num_heads), ("max_seq_len", max_seq_len), ("window", window),
                              ("sink_tokens", sink_tokens))}
         self._m = _mha.Module.from_state_dict(_numpy_state_dict(state_dict), **ints,
+                                              **_shared_arguments(n, dropout, out_dropout, dtype, softcap,
+                                                                  qk_norm_eps, rotary),
                                               causal=1 if A.check_bool(causal, f"{n}: causal") else 0,
                                               batch_first=A.check_bool(batch_first, f"{n}: batch_first"),
-                                              attn_dropout=A.check_number(dropout, f"{n}: dropout", 0.0, 1.0),
-                                              out_dropout=A.check_number(out_dropout, f"{n}: out_dropout", 0.0, 1.0),
-                                              prefix=_prefix(prefix, n), dtype=_dtype_name(dtype),
-                                              softcap=A.check_number(softcap, f"{n}: softcap", 0.0),
-                                              alibi=A.check_bool(alibi, f"{n}: alibi"),
-                                              qk_norm_eps=A.check_number(qk_norm_eps, f"{n}: qk_norm_eps", 0.0),
-                                              rotary=_rotary(rotary, n))
-        self.training = True
-        self.num_threads = A.check_int(num_threads, f"{n}: num_threads", 0, _mha.MAX_THREADS)
-        self.backend = "auto"
+                                              prefix=_prefix(prefix, n), alibi=A.check_bool(alibi, f"{n}: alibi"))
+        self._set_call_settings(n, num_threads)
         return self
+
+    def _set_call_settings(self, name, num_threads):
+        """The attributes forward and step read at each call (torch's training, and mha's threads
+        and kernels), checked there as well: they may be set freely."""
+        self.training = True
+        self.num_threads = A.check_int(num_threads, f"{name}: num_threads", 0, _mha.MAX_THREADS)
+        self.backend = "auto"
 
     @classmethod
     def from_torch(cls, module, num_heads=None, **kwargs):
@@ -326,8 +330,6 @@ class MultiheadAttention:
         # Settings travel with the call (the C++ module holds none): threads may share a module.
         # The attributes are set freely, as torch's are: checked here, at each call.
         training = A.check_bool(self.training if training is None else training, "MultiheadAttention: training")
-        if not isinstance(self.backend, str):
-            raise Error(f"MultiheadAttention: backend must be 'auto', 'reference' or 'fast'; got {self.backend!r}")
         seed = None if dropout_seed is None else A.check_int(dropout_seed, "MultiheadAttention: dropout_seed", 0,
                                                              2**64 - 1)
         if seed is None and training and self.dropout > 0:
@@ -340,7 +342,7 @@ class MultiheadAttention:
                                                                     "MultiheadAttention: average_attn_weights"),
                                        training=training, causal=causal, dropout_seed=seed,
                                        num_threads=self._num_threads(),
-                                       backend=self.backend)
+                                       backend=A.check_backend(self.backend, "MultiheadAttention"))
         if not batched:
             out = out[0] if bf else out[:, 0]
             if weights is not None:
