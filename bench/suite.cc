@@ -14,6 +14,7 @@
 #include "mha/error.h"
 #include "mha/varlen.h"
 #include "mha/multi_head_attention.h"
+#include "util/parallel.h"
 
 namespace mha::bench {
 
@@ -426,12 +427,13 @@ void report(const std::vector<Row>& rows, double peak, const Options& o, const P
   }
 }
 
-void check_output_paths(const Options& o) {
+void resolve_options(Options& o) {
   for (const std::string& path : {o.csv, o.json}) {
     if (!path.empty() && !std::ofstream(path, std::ios::app)) {
       throw Error(fmt::format("bench: cannot write '{}' (does its directory exist?)", path));
     }
   }
+  o.threads = resolve_threads(o.threads);
 }
 
 }  // namespace mha::bench

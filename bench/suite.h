@@ -139,9 +139,11 @@ double memory_check(int threads, bool causal);
 std::vector<Row> run_suites(const Options& options, const Peer* peer, bool sweep);
 void report(const std::vector<Row>& rows, double peak_gflops, const Options& options, const Peer* peer);
 
-// Throws mha::Error naming options.csv or options.json if either cannot be written: checked
-// before the measurements, not found out after minutes of them (each is opened for appending).
-void check_output_paths(const Options& options);
+// Checks options.csv and options.json (an mha::Error naming the one that cannot be written:
+// found before the measurements, not after minutes of them; each is opened for appending), then
+// turns options.threads 0 into all available threads. In that order: a usage error must not
+// start the OpenMP runtime (under TSan its warning would make the error two lines).
+void resolve_options(Options& options);
 
 }  // namespace mha::bench
 

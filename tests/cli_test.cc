@@ -21,8 +21,9 @@ struct Result {
   std::string output;  // stdout and stderr
 };
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(MHA_CLI) + " " + args + " 2>&1";
+// Runs `program` (the `mha` command unless said) with `args`.
+Result run(const std::string& args, const std::string& program = MHA_CLI) {
+  const std::string cmd = program + " " + args + " 2>&1";
   FILE* pipe = popen(cmd.c_str(), "r");
   Result r{-1, ""};
   if (!pipe) return r;
@@ -65,10 +66,12 @@ TEST(Cli, ForwardRoundTripsEveryParityCase) {
   }
 }
 
-// Exit status 1 and a single line "mha: error: ..." mentioning `words`.
-void expect_cli_error(const std::string& args, const std::string& words) {
-  const Result r = run(args);
+// Exit status 1 and a single line "mha: error: ..." (or "mha_bench: error: ...") mentioning `words`.
+void expect_cli_error(const std::string& args, const std::string& words, const std::string& program = MHA_CLI) {
+  const Result r = run(args, program);
   EXPECT_EQ(r.status, 1) << r.output;
+  const std::string name = program.substr(program.rfind('/') + 1);
+  EXPECT_EQ(r.output.rfind(name + ": error: ", 0), 0u) << r.output;
   EXPECT_NE(r.output.find(words), std::string::npos) << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
 }
@@ -141,6 +144,20 @@ TEST(Cli, OptionErrorsExitWithOneAndAShortMessage) {
   EXPECT_EQ(peak.status, 0) << peak.output;
   EXPECT_NE(peak.output.find("fp32 FMA peak"), std::string::npos) << peak.output;
   EXPECT_EQ(peak.output.find("on 0 threads"), std::string::npos) << peak.output;
+}
+
+// mha_bench (`mha bench` with PyTorch beside it) takes the same checks. An unwritable --csv was an
+// uncaught mha::Error there (the process aborted), and its numbers were not checked at all.
+TEST(Cli, MhaBenchOptionErrorsExitWithOne) {
+  expect_cli_error("--threads -3 --memory", "--threads: must be an integer in [0, 256]", MHA_BENCH);
+  expect_cli_error("--threads 9999", "got '9999'", MHA_BENCH);
+  expect_cli_error("--seconds nan --decode", "--seconds: must be a number in (0, 3600]; got 'nan'", MHA_BENCH);
+  expect_cli_error("--memory --decode", "--memory excludes --decode", MHA_BENCH);
+  expect_cli_error("--sweep --train", "--sweep excludes --train", MHA_BENCH);
+  expect_cli_error("--decode --json " + temp_path("decode.json"), "excludes", MHA_BENCH);
+  expect_cli_error("--decode --csv " + temp_path("no-such-dir/decode.csv"), "cannot write", MHA_BENCH);
+  expect_cli_error("--no-such-option", "no-such-option", MHA_BENCH);
+  EXPECT_EQ(run("--help", MHA_BENCH).status, 0);
 }
 
 TEST(Cli, ADirectoryForAFileIsNamed) {

@@ -4,7 +4,6 @@
 
 #include "bench/suite.h"
 #include "tools/commands.h"
-#include "util/parallel.h"
 
 namespace mha::tools {
 
@@ -12,9 +11,9 @@ int run_bench(const BenchArgs& args) {
   bench::Options o;
   o.csv = args.csv;
   o.json = args.json;
-  bench::check_output_paths(o);  // first: a usage error, before the thread pool starts
-  o.threads = resolve_threads(args.threads);  // 0: all available, as everywhere else
+  o.threads = args.threads;
   o.seconds = args.seconds;
+  bench::resolve_options(o);  // 0 threads: all available, as everywhere else
   if (args.peak) {
     const double peak = std::max(bench::measure_peak_gflops(o.threads), bench::measure_peak_gflops(o.threads));
     const double bf16 = std::max(bench::measure_bf16_peak_gflops(o.threads), bench::measure_bf16_peak_gflops(o.threads));

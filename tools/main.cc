@@ -1,52 +1,14 @@
 // mha: the command-line tool. `mha demo`, `mha forward`, `mha train`, `mha bench`, `mha --help`.
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
 
-#include <cmath>
-#include <cstdio>
-#include <string>
-#include <vector>
-
-#include "mha/attention.h"
-#include "mha/error.h"
+#include "tools/cli.h"
 #include "tools/commands.h"
 
 namespace {
 
-// An integer option in [lo, hi]; `expected` says what in the message, which names the value
-// given (CLI11's PositiveNumber prints the whole double range).
-CLI::Validator IntegerIn(long long lo, long long hi, const std::string& expected, const std::string& name) {
-  return CLI::Validator(
-      [=](std::string& value) -> std::string {
-        try {
-          size_t used = 0;
-          const long long v = std::stoll(value, &used);
-          if (used == value.size() && v >= lo && v <= hi) return "";
-        } catch (const std::exception&) {
-        }
-        return "must be " + expected + "; got '" + value + "'";
-      },
-      name);
-}
-
-// A real option in (lo, hi]: finite (CLI11 reads "nan" and "inf" as doubles).
-CLI::Validator RealAbove(double lo, double hi, const std::string& name) {
-  return CLI::Validator(
-      [=](std::string& value) -> std::string {
-        try {
-          size_t used = 0;
-          const double v = std::stod(value, &used);
-          if (used == value.size() && std::isfinite(v) && v > lo && v <= hi) return "";
-        } catch (const std::exception&) {
-        }
-        return fmt::format("must be a number in ({}, {}]; got '{}'", lo, hi, value);
-      },
-      name);
-}
-
-const CLI::Validator kPositive = IntegerIn(1, 2147483647, "a positive integer", "POSITIVE");
-const CLI::Validator kThreads =
-    IntegerIn(0, mha::kMaxThreads, fmt::format("an integer in [0, {}] (0: all available)", mha::kMaxThreads), "THREADS");
+using mha::cli::RealAbove;
+const CLI::Validator kPositive = mha::cli::Positive();
+const CLI::Validator kThreads = mha::cli::Threads();
 
 }  // namespace
 
@@ -98,42 +60,16 @@ int main(int argc, char** argv) {
   bench->add_flag("--varlen", ba.varlen, "Only the variable-length table: packed, one by one and padded");
   bench->add_flag("--variants", ba.variants, "Only the score-variant table: softcap, ALiBi, sinks against plain");
   bench->add_flag("--peak", ba.peak, "Only measure this machine's fp32 FMA peak (bench/peers.sh reads it)");
-  CLI::Option* csv = bench->add_option("--csv", ba.csv, "Write the table as CSV (the suite, --train, --decode)");
-  CLI::Option* json = bench->add_option("--json", ba.json, "Write the table as JSON (the suite, --train)");
-  // One table per run, and --csv / --json only where the table writes them: never silently ignored.
-  const std::vector<std::string> modes = {"--memory", "--decode", "--train", "--dtypes", "--varlen", "--variants",
-                                          "--peak"};
-  for (size_t i = 0; i < modes.size(); ++i) {
-    for (size_t j = i + 1; j < modes.size(); ++j) bench->get_option(modes[i])->excludes(modes[j]);
-    bench->get_option("--sweep")->excludes(modes[i]);  // the suite's alone
-    if (modes[i] != "--train" && modes[i] != "--decode") csv->excludes(modes[i]);
-    if (modes[i] != "--train") json->excludes(modes[i]);
-  }
+  bench->add_option("--csv", ba.csv, "Write the table as CSV (the suite, --train, --decode)");
+  bench->add_option("--json", ba.json, "Write the table as JSON (the suite, --train)");
+  mha::cli::OneTablePerRun(bench, {"--memory", "--decode", "--train", "--dtypes", "--varlen", "--variants", "--peak"},
+                           /*csv_tables=*/{"--train", "--decode"}, /*json_tables=*/{"--train"});
 
-  // Usage errors exit with 1, as every other error (CLI11's own codes are 100 and up); --help
-  // prints and exits with 0. Arguments quoted in messages are made printable.
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "mha: error: %s (see mha --help)\n", mha::printable(e.what()).c_str());
-    return 1;
-  }
-  try {
+  return mha::cli::ParseAndRun(app, argc, argv, "mha", [&] {
     if (demo->parsed()) return mha::tools::run_demo(demo_threads);
     if (fwd->parsed()) return mha::tools::run_forward(fa);
     if (train->parsed()) return mha::tools::run_train(ta);
     if (info->parsed()) return mha::tools::run_info();
-    if (bench->parsed()) return mha::tools::run_bench(ba);
-  } catch (const mha::Error& e) {
-    std::fprintf(stderr, "mha: error: %s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "mha: error: %s\n", mha::printable(e.what()).c_str());
-    return 1;
-  }
-  return 0;
+    return mha::tools::run_bench(ba);  // require_subcommand(1): the one left
+  });
 }
