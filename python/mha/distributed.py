@@ -45,6 +45,14 @@ def _check_layout(layout, name):
         raise Error(f"{name}: layout must be 'zigzag' or 'contiguous'; got {layout!r}")
 
 
+def _check_group(group, name):
+    """None (the world) or a process group this rank belongs to (torch.distributed.new_group's)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise Error(f"{name}: group must be None or a torch.distributed process group this rank is in; "
+                    f"got {type(group).__name__} {group!r:.40}")
+    return group
+
+
 def _check_tensor(x, name):
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise Error(f"{name} must be a torch.Tensor with a sequence dimension; got {type(x).__name__} {x!r:.40}")
@@ -106,6 +114,7 @@ def gather_sequence(x, group=None, layout="zigzag", dim=-2):
     name = "gather_sequence"
     if not dist.is_available() or not dist.is_initialized():
         raise Error(f"{name}: torch.distributed is not initialised; call torch.distributed.init_process_group first")
+    _check_group(group, name)
     _check_layout(layout, name)
     _check_dim(dim, _check_tensor(x, f"{name}: x"), name)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
@@ -267,12 +276,14 @@ def ring_attention(q, k, v, group=None, is_causal=False, scale=None, layout="zig
     is_causal: over global positions, with the shards laid out as `layout` says ("zigzag":
     shard_sequence's default; "contiguous": rank r holds tokens [r·T_local, (r + 1)·T_local)).
     scale: default 1/sqrt(D). num_threads: mha's threads for each block (0: all available; with
-    one rank per core, 1). timeout: seconds to wait for a transfer (default: the process
-    group's timeout)."""
+    one rank per core, 1). timeout: seconds to wait for a transfer, in [0.001, 10^7] (default:
+    the process group's timeout)."""
     name = "ring_attention"
     if not dist.is_available() or not dist.is_initialized():
         raise Error(f"{name}: torch.distributed is not initialised; call torch.distributed.init_process_group first")
+    _check_group(group, name)
     _check_layout(layout, name)
+    is_causal = A.check_bool(is_causal, f"{name}: is_causal")
     for x, what in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(x, torch.Tensor):
             raise Error(f"{name}: {what} must be a torch.Tensor; got {type(x).__name__}")
@@ -289,11 +300,11 @@ def ring_attention(q, k, v, group=None, is_causal=False, scale=None, layout="zig
         scale = 1.0 / float(q.shape[-1]) ** 0.5 if q.shape[-1] else 1.0
     scale = A.check_number(scale, f"{name}: scale")
     if timeout is not None:
-        timeout = datetime.timedelta(seconds=A.check_number(timeout, f"{name}: timeout", 0.0))
+        timeout = datetime.timedelta(seconds=A.check_number(timeout, f"{name}: timeout", 1e-3, 1e7))
     ring = _Ring(group, timeout)
     # Every rank checks every rank's shard shape and settings, so a mismatch is an error everywhere
     # (not a hang, nor a silently wrong result). Shapes in float64 are exact below 2^53.
-    mine = torch.tensor(list(q.shape) + list(k.shape) + [v.shape[-1], float(bool(is_causal)), LAYOUTS.index(layout),
+    mine = torch.tensor(list(q.shape) + list(k.shape) + [v.shape[-1], float(is_causal), LAYOUTS.index(layout),
                                                          float(scale)], dtype=torch.float64)
     gathered = [torch.empty_like(mine) for _ in range(ring.size)]
     try:
@@ -312,7 +323,7 @@ def ring_attention(q, k, v, group=None, is_causal=False, scale=None, layout="zig
         raise Error(f"{name}: a zigzag shard holds two equal chunks, so its length must be even; got {q.shape[2]}")
     q, k, v = (x.contiguous() for x in (q, k, v))
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return _RingFunction.apply(q, k, v, ring, scale, bool(is_causal), layout, num_threads)
+        return _RingFunction.apply(q, k, v, ring, scale, is_causal, layout, num_threads)
     with torch.no_grad():
-        out, _ = _forward(ring, q, k, v, scale, bool(is_causal), layout, num_threads)
+        out, _ = _forward(ring, q, k, v, scale, is_causal, layout, num_threads)
     return out

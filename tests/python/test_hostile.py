@@ -228,7 +228,7 @@ def test_a_non_finite_token_reaches_only_the_later_rows_of_a_step(dtype):
 REFUSED_EVERYWHERE = [object(), "3", float("nan"), float("inf"), (1, 2, 3), np.array([0.0, 1.0])]
 # Refused too, but by the arguments that are plain real numbers (softcap, scale...).
 REFUSED_BUT_BY_REALS = [1.5, 2**70, -(2**70)]
-REALS = {"softcap", "qk_norm_eps", "scale", "softmax_scale"}
+REALS = {"softcap", "qk_norm_eps", "scale", "softmax_scale", "timeout"}
 # Tried as well: each either works or is an mha.Error.
 ALSO_TRIED = [None, True, -1, 0, 2**64 - 1, [1], np.int64(2), np.float32(0.5), torch.tensor(2),
               np.zeros(3, dtype=np.int64), torch.ones(2, 2, dtype=torch.bool), np.zeros((1, 2, 0, 8), np.float32)]
@@ -294,9 +294,11 @@ def paged_state(cache):
               cache.values_as_float(s).tobytes()) for s in seqs])
 
 
-def test_every_argument_refuses_hostile_values():
+def sweep(calls):
+    """Calls each of `calls` as given, then with each argument replaced by each hostile value;
+    returns how many were refused (with an mha.Error, the only exception allowed)."""
     refusals = 0
-    for name, fn, args, kwargs in public_calls():
+    for name, fn, args, kwargs in calls:
         fn(*args, **kwargs)  # the call as given works
         cache = getattr(fn, "__self__", None)
         slots = [(i, f"argument {i}") for i in range(len(args))] + [(k, k) for k in kwargs]
@@ -319,4 +321,28 @@ def test_every_argument_refuses_hostile_values():
                 except Exception as e:  # noqa: BLE001 — the defect this test looks for
                     pytest.fail(f"{name}({label}={bad!r}) raised {type(e).__name__}, not mha.Error: {e}")
                 assert not any(bad is r for r in must_refuse), f"{name} accepted {label}={bad!r}"
+    return refusals
+
+
+def test_every_argument_refuses_hostile_values():
+    refusals = sweep(public_calls())
     assert refusals > 2000  # the sweep ran: 133 arguments × 21 values, 2,578 refusals when written
+
+
+def test_distributed_calls_refuse_hostile_values(tmp_path):
+    """ring_attention and gather_sequence in a process group of one rank (gloo), initialised here
+    and destroyed after: the same sweep. `group` took any object to torch (a ValueError), and
+    is_causal any object's truth value ("False" was causal)."""
+    dist = torch.distributed
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        q = torch.randn(1, 2, 4, 8)
+        refusals = sweep([
+            ("ring_attention", mha.distributed.ring_attention, (q, q, q),
+             dict(group=None, is_causal=False, scale=None, layout="zigzag", num_threads=0, timeout=None)),
+            ("gather_sequence", mha.distributed.gather_sequence, (q,), dict(group=None, layout="zigzag", dim=-2)),
+        ])
+    finally:
+        dist.destroy_process_group()
+    assert refusals > 150  # 11 arguments × 21 values
