@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -477,6 +478,52 @@ TEST(Optim, MismatchedParameterIsAnError) {
   AdamOptions bad;
   bad.beta1 = 1.0f;
   EXPECT_THROW(Adam({}, bad), Error);
+}
+
+// An infinite rate or decay turned every weight into inf or NaN at the first step, and eps = 0
+// divided 0 by 0; options() could set any of them after the constructor's check.
+TEST(Optim, OptionsAreFiniteAndCheckedAtEachStep) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> w = {0.5f, -1.0f}, g = {0.0f, 1.0f};
+  const std::vector<Parameter> params = {{"w", View<float>(w.data(), {2}), View<float>(g.data(), {2})}};
+  for (float x : {inf, -inf, nan}) {
+    AdamOptions a;
+    a.lr = x;
+    expect_error([&] { Adam(params, a); }, {"Adam", "lr"});
+    a = AdamOptions{};
+    a.weight_decay = x;
+    expect_error([&] { Adam(params, a); }, {"Adam", "weight_decay"});
+    a = AdamOptions{};
+    a.eps = x;
+    expect_error([&] { Adam(params, a); }, {"Adam", "eps"});
+    SgdOptions s;
+    s.lr = x;
+    expect_error([&] { Sgd(params, s); }, {"Sgd", "lr"});
+    s = SgdOptions{};
+    s.momentum = x;
+    expect_error([&] { Sgd(params, s); }, {"Sgd", "momentum"});
+  }
+  AdamOptions zero_eps;
+  zero_eps.eps = 0.0f;
+  expect_error([&] { Adam(params, zero_eps); }, {"Adam", "eps must be finite and > 0", "got 0"});
+
+  Adam adam(params, AdamOptions{});
+  adam.step();
+  const std::vector<float> after_one = w;
+  for (float x : {inf, nan, -0.5f}) {
+    adam.options().lr = x;
+    expect_error([&] { adam.step(); }, {"Adam", "lr"});
+    EXPECT_EQ(w, after_one);  // a refused step changes nothing
+    EXPECT_EQ(adam.steps(), 1);
+  }
+  adam.options().lr = 1e-3f;
+  adam.options().beta2 = 1.0f;
+  expect_error([&] { adam.step(); }, {"Adam", "betas"});
+  adam.options().beta2 = 0.999f;
+  adam.step();
+  EXPECT_EQ(adam.steps(), 2);
+  EXPECT_NE(w, after_one);
+  for (float x : w) EXPECT_TRUE(std::isfinite(x));
 }
 
 }  // namespace

@@ -34,7 +34,7 @@ struct SgdOptions {
 class Sgd {
  public:
   // Throws mha::Error naming the parameter if a value and its grad differ in shape or are not
-  // contiguous, or if the options are out of range.
+  // contiguous, or if the options are out of range (negative, NaN or infinite).
   Sgd(std::vector<Parameter> params, const SgdOptions& options);
   void step();
   void zero_grad() { mha::zero_grad(params_); }
@@ -58,11 +58,13 @@ struct AdamOptions {
 
 class Adam {
  public:
+  // Throws mha::Error as Sgd's does; the options must be finite, betas in [0, 1) and eps > 0.
   Adam(std::vector<Parameter> params, const AdamOptions& options);
+  // Throws mha::Error, changing nothing, if options() was set out of range since the last step.
   void step();
   void zero_grad() { mha::zero_grad(params_); }
   const std::vector<Parameter>& params() const { return params_; }
-  AdamOptions& options() { return options_; }  // e.g. to change lr between steps
+  AdamOptions& options() { return options_; }  // e.g. to change lr between steps; checked by step()
   int64_t steps() const { return steps_; }
 
  private:

@@ -20,6 +20,25 @@ void check_params(const std::vector<Parameter>& params, const char* who) {
   }
 }
 
+// Options must be finite (an infinite rate or decay makes every weight inf or NaN at once) and
+// in torch.optim's ranges, except that Adam's eps must be > 0: with 0, an element whose gradient
+// has always been 0 divides 0 by 0 (torch allows it and writes NaN).
+void check_options(const SgdOptions& o) {
+  MHA_CHECK(std::isfinite(o.lr) && o.lr >= 0 && std::isfinite(o.momentum) && o.momentum >= 0 &&
+                std::isfinite(o.weight_decay) && o.weight_decay >= 0,
+            "Sgd: lr ({}), momentum ({}) and weight_decay ({}) must be finite and >= 0", o.lr, o.momentum,
+            o.weight_decay);
+}
+
+void check_options(const AdamOptions& o) {
+  MHA_CHECK(std::isfinite(o.lr) && o.lr >= 0 && std::isfinite(o.weight_decay) && o.weight_decay >= 0,
+            "Adam: lr ({}) and weight_decay ({}) must be finite and >= 0", o.lr, o.weight_decay);
+  MHA_CHECK(std::isfinite(o.eps) && o.eps > 0, "Adam: eps must be finite and > 0 (0 divides 0 by 0 where the "
+            "gradients have been 0); got {}", o.eps);
+  MHA_CHECK(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1, "Adam: betas must be in [0, 1); got ({}, {})",
+            o.beta1, o.beta2);
+}
+
 // Runs f(i) for every element of a parameter, split into fixed chunks.
 template <typename F>
 void for_each_element(int64_t n, F&& f) {
@@ -38,9 +57,7 @@ void zero_grad(const std::vector<Parameter>& params) {
 
 Sgd::Sgd(std::vector<Parameter> params, const SgdOptions& options) : params_(std::move(params)), options_(options) {
   check_params(params_, "Sgd");
-  MHA_CHECK(options.lr >= 0 && options.momentum >= 0 && options.weight_decay >= 0,
-            "Sgd: lr ({}), momentum ({}) and weight_decay ({}) must be >= 0", options.lr, options.momentum,
-            options.weight_decay);
+  check_options(options);
   if (options.momentum > 0) {
     for (const Parameter& p : params_) momentum_.emplace_back(static_cast<size_t>(p.value.numel()), 0.0f);
   }
@@ -67,10 +84,7 @@ void Sgd::step() {
 
 Adam::Adam(std::vector<Parameter> params, const AdamOptions& options) : params_(std::move(params)), options_(options) {
   check_params(params_, "Adam");
-  MHA_CHECK(options.lr >= 0 && options.eps >= 0 && options.weight_decay >= 0,
-            "Adam: lr ({}), eps ({}) and weight_decay ({}) must be >= 0", options.lr, options.eps, options.weight_decay);
-  MHA_CHECK(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1,
-            "Adam: betas must be in [0, 1); got ({}, {})", options.beta1, options.beta2);
+  check_options(options);
   for (const Parameter& p : params_) {
     m_.emplace_back(static_cast<size_t>(p.value.numel()), 0.0f);
     v_.emplace_back(static_cast<size_t>(p.value.numel()), 0.0f);
@@ -79,6 +93,7 @@ Adam::Adam(std::vector<Parameter> params, const AdamOptions& options) : params_(
 
 void Adam::step() {
   const AdamOptions& o = options_;
+  check_options(o);  // options() may have changed them; a refused step changes nothing
   ++steps_;
   const double t = static_cast<double>(steps_);
   const float step_size = static_cast<float>(o.lr / (1.0 - std::pow(static_cast<double>(o.beta1), t)));
