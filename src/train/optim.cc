@@ -33,8 +33,8 @@ void check_options(const SgdOptions& o) {
 void check_options(const AdamOptions& o) {
   MHA_CHECK(std::isfinite(o.lr) && o.lr >= 0 && std::isfinite(o.weight_decay) && o.weight_decay >= 0,
             "Adam: lr ({}) and weight_decay ({}) must be finite and >= 0", o.lr, o.weight_decay);
-  MHA_CHECK(std::isfinite(o.eps) && o.eps > 0, "Adam: eps must be finite and > 0 (0 divides 0 by 0 where the "
-            "gradients have been 0); got {}", o.eps);
+  MHA_CHECK(std::isfinite(o.eps) && o.eps > 0,
+            "Adam: eps must be finite and > 0 (0 divides 0 by 0 where the gradients have been 0); got {}", o.eps);
   MHA_CHECK(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1, "Adam: betas must be in [0, 1); got ({}, {})",
             o.beta1, o.beta2);
 }
