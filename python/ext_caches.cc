@@ -5,6 +5,12 @@ namespace mha::python {
 
 void bind_caches(nb::module_& m) {
   nb::class_<KvCache>(m, "KvCache")
+      // A cache is sized for its module's heads and dims, so only the module makes one (without
+      // this, calling the class gave nanobind's TypeError "no constructor defined").
+      .def("__init__",
+           [](KvCache*, const nb::args&, const nb::kwargs&) {
+             throw Error("KvCache: made by MultiheadAttention.make_cache(batch, capacity=0, dtype=None), not directly");
+           })
       .def("length", [](const KvCache& c, const nb::handle& b) { return c.length(sequence_index(b, "length")); },
            nb::arg("b").none())
       .def("stored", [](const KvCache& c, const nb::handle& b) { return c.stored(sequence_index(b, "stored")); },

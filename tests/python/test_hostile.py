@@ -329,6 +329,14 @@ def test_every_argument_refuses_hostile_values():
     assert refusals > 2000  # the sweep ran: 133 arguments × 21 values, 2,578 refusals when written
 
 
+def test_kv_cache_is_made_by_its_module():
+    with pytest.raises(mha.Error, match="make_cache"):
+        mha.KvCache()
+    with pytest.raises(mha.Error, match="make_cache"):
+        mha.KvCache(2, capacity=16)
+    assert isinstance(mha.MultiheadAttention(8, 2).make_cache(2), mha.KvCache)
+
+
 def test_distributed_calls_refuse_hostile_values(tmp_path):
     """ring_attention and gather_sequence in a process group of one rank (gloo), initialised here
     and destroyed after: the same sweep. `group` took any object to torch (a ValueError), and
