@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -486,22 +487,21 @@ TEST(Optim, OptionsAreFiniteAndCheckedAtEachStep) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> w = {0.5f, -1.0f}, g = {0.0f, 1.0f};
   const std::vector<Parameter> params = {{"w", View<float>(w.data(), {2}), View<float>(g.data(), {2})}};
+  const std::pair<float AdamOptions::*, const char*> adam_fields[] = {
+      {&AdamOptions::lr, "lr"}, {&AdamOptions::weight_decay, "weight_decay"}, {&AdamOptions::eps, "eps"}};
+  const std::pair<float SgdOptions::*, const char*> sgd_fields[] = {
+      {&SgdOptions::lr, "lr"}, {&SgdOptions::momentum, "momentum"}, {&SgdOptions::weight_decay, "weight_decay"}};
   for (float x : {inf, -inf, nan}) {
-    AdamOptions a;
-    a.lr = x;
-    expect_error([&] { Adam(params, a); }, {"Adam", "lr"});
-    a = AdamOptions{};
-    a.weight_decay = x;
-    expect_error([&] { Adam(params, a); }, {"Adam", "weight_decay"});
-    a = AdamOptions{};
-    a.eps = x;
-    expect_error([&] { Adam(params, a); }, {"Adam", "eps"});
-    SgdOptions s;
-    s.lr = x;
-    expect_error([&] { Sgd(params, s); }, {"Sgd", "lr"});
-    s = SgdOptions{};
-    s.momentum = x;
-    expect_error([&] { Sgd(params, s); }, {"Sgd", "momentum"});
+    for (const auto& [field, name] : adam_fields) {
+      AdamOptions a;
+      a.*field = x;
+      expect_error([&] { Adam(params, a); }, {"Adam", name});
+    }
+    for (const auto& [field, name] : sgd_fields) {
+      SgdOptions o;
+      o.*field = x;
+      expect_error([&] { Sgd(params, o); }, {"Sgd", name});
+    }
   }
   AdamOptions zero_eps;
   zero_eps.eps = 0.0f;
