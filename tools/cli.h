@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -60,9 +61,7 @@ inline CLI::Validator RealAbove(double lo, double hi, const std::string& name) {
 inline void OneTablePerRun(CLI::App* app, const std::vector<std::string>& tables,
                            const std::vector<std::string>& csv_tables, const std::vector<std::string>& json_tables) {
   auto writes = [](const std::vector<std::string>& list, const std::string& table) {
-    for (const std::string& t : list)
-      if (t == table) return true;
-    return false;
+    return std::find(list.begin(), list.end(), table) != list.end();
   };
   for (size_t i = 0; i < tables.size(); ++i) {
     for (size_t j = i + 1; j < tables.size(); ++j) app->get_option(tables[i])->excludes(tables[j]);

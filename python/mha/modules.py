@@ -330,6 +330,7 @@ class MultiheadAttention:
         # Settings travel with the call (the C++ module holds none): threads may share a module.
         # The attributes are set freely, as torch's are: checked here, at each call.
         training = A.check_bool(self.training if training is None else training, "MultiheadAttention: training")
+        backend = A.check_backend(self.backend, "MultiheadAttention")
         seed = None if dropout_seed is None else A.check_int(dropout_seed, "MultiheadAttention: dropout_seed", 0,
                                                              2**64 - 1)
         if seed is None and training and self.dropout > 0:
@@ -342,7 +343,7 @@ class MultiheadAttention:
                                                                     "MultiheadAttention: average_attn_weights"),
                                        training=training, causal=causal, dropout_seed=seed,
                                        num_threads=self._num_threads(),
-                                       backend=A.check_backend(self.backend, "MultiheadAttention"))
+                                       backend=backend)
         if not batched:
             out = out[0] if bf else out[:, 0]
             if weights is not None:
