@@ -8,6 +8,7 @@ import torch
 
 import mha
 import mha.distributed
+import mha.integrations.transformers
 
 
 def test_more_than_2_to_31_keys_through_expand():
@@ -228,7 +229,7 @@ def test_a_non_finite_token_reaches_only_the_later_rows_of_a_step(dtype):
 REFUSED_EVERYWHERE = [object(), "3", float("nan"), float("inf"), (1, 2, 3), np.array([0.0, 1.0])]
 # Refused too, but by the arguments that are plain real numbers (softcap, scale...).
 REFUSED_BUT_BY_REALS = [1.5, 2**70, -(2**70)]
-REALS = {"softcap", "qk_norm_eps", "scale", "softmax_scale", "timeout"}
+REALS = {"softcap", "qk_norm_eps", "scale", "softmax_scale", "timeout", "scaling"}
 # Tried as well: each either works or is an mha.Error.
 ALSO_TRIED = [None, True, -1, 0, 2**64 - 1, [1], np.int64(2), np.float32(0.5), torch.tensor(2),
               np.zeros(3, dtype=np.int64), torch.ones(2, 2, dtype=torch.bool), np.zeros((1, 2, 0, 8), np.float32)]
@@ -286,6 +287,19 @@ def public_calls():
            dict(layout="zigzag", dim=-2))
 
 
+class _Attention(torch.nn.Module):
+    """What transformers passes as `module` to an attention function (its flag is all mha reads)."""
+    is_causal = True
+
+
+def transformers_calls():
+    """mha's attention function for Hugging Face transformers, called as a model calls it."""
+    q = torch.randn(1, 2, 5, 8)
+    yield ("attention_forward", mha.integrations.transformers.attention_forward, (_Attention(), q, q, q, None),
+           dict(dropout=0.0, scaling=None, is_causal=None, position_bias=None, head_mask=None, softcap=None,
+                s_aux=None, output_attentions=False))
+
+
 def paged_state(cache):
     """Everything a PagedKvCache shows: a failed call must leave all of it as it was."""
     seqs = cache.sequences
@@ -326,7 +340,8 @@ def sweep(calls):
 
 def test_every_argument_refuses_hostile_values():
     refusals = sweep(public_calls())
-    assert refusals > 2000  # the sweep ran: 133 arguments × 21 values, 2,578 refusals when written
+    refusals += sweep(transformers_calls())
+    assert refusals > 2500  # the sweep ran: 146 arguments × 21 values, 2,813 refusals when written
 
 
 def test_kv_cache_is_made_by_its_module():

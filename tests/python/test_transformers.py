@@ -1,7 +1,8 @@
 """mha as Hugging Face transformers' attention implementation "mha" (mha.integrations.transformers),
 on tiny models built from configs with random weights (no downloads) of the families whose
 attention differs: BERT (bidirectional, padding), GPT-2, Llama (GQA), Mistral (sliding window),
-Gemma 2 (softcap, windows), gpt-oss (sinks, windows), Qwen3 (QK-norm inside the model).
+Gemma 2 (softcap, windows), gpt-oss (sinks, windows), Qwen3 (QK-norm inside the model), T5
+(a relative position bias added to the scores).
 
 Accuracy bound: against the same model run by transformers' "eager" attention in float64, mha's
 float32 error must be within 2x that of transformers' own float32 implementation ("sdpa", or
@@ -20,7 +21,8 @@ import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig, BertModel, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, GptOssConfig,
     GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
-    Qwen3ForCausalLM)
+    Qwen3ForCausalLM, T5Config, T5Model)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 VOCAB = 101
 _DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -290,5 +292,83 @@ def test_fallback_without_an_eager_formula_is_an_error():
 
     q = torch.zeros(1, 2, 3, 4, dtype=torch.float64)
     mt._warned.clear()
-    with pytest.warns(UserWarning, match="float64"), pytest.raises(ValueError, match="no eager_attention_forward"):
+    with pytest.warns(UserWarning, match="float64"), pytest.raises(mha.Error, match="no eager_attention_forward"):
         mt.attention_forward(Attention(), q, q, q, None, softcap=5.0)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "none", "bool", "float"])
+def test_position_bias_is_added_to_the_scores(mask_kind):
+    """T5's relative position bias runs on mha's kernels (no fallback warning), as transformers'
+    sdpa runs it (create_position_bias_mask): added to the scores; with no mask and is_causal,
+    the future masked top-left; a boolean mask's False positions out; a float mask added. GQA
+    heads (4 query heads over 2 key heads), Tq < Tk; every row keeps a key. Against sdpa in
+    float64: float32 rounding."""
+    class Attention(torch.nn.Module):
+        is_causal = mask_kind == "causal"
+        num_key_value_groups = 2
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, t, 8, generator=g) for h, t in ((4, 5), (2, 7), (2, 7)))
+    bias = torch.randn(1, 4, 5, 7, generator=g)
+    mask = None
+    if mask_kind == "bool":
+        mask = (torch.rand(2, 1, 5, 7, generator=g) < 0.6) | torch.eye(5, 7, dtype=torch.bool)
+    elif mask_kind == "float":
+        mask = torch.randn(2, 1, 5, 7, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        got, _ = mt.attention_forward(Attention(), q, k, v, mask, position_bias=bias)
+    ref, _ = sdpa_attention_forward(Attention(), q.double(), k.double(), v.double(),
+                                    mask.double() if mask_kind == "float" else mask, position_bias=bias.double())
+    torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(mha.Error, match="position_bias must be float32"):
+        mt.attention_forward(Attention(), q, k, v, mask, position_bias=bias.double())
+
+
+def _t5(implementation, dtype=torch.float32):
+    config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_heads=4, dropout_rate=0.0,
+                      pad_token_id=0, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = T5Model(config).eval()
+    model.set_attn_implementation(implementation)
+    return model.to(dtype)
+
+
+def test_t5_runs_on_mha_against_eager_float64():
+    """T5: a relative position bias in every self-attention's scores (the encoder's, bidirectional
+    with right padding; the decoder's, causal), cross-attention without one. Under no_grad mha
+    runs every call (no fallback warning), within 2x sdpa's float32 error against eager float64."""
+    ids, mask = _inputs(pad=(0, 7), left=False)
+    dec = _inputs(length=12, pad=(0, 0), seed=2)[0]
+
+    def run(model):
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).last_hidden_state.double()
+
+    ref = run(_t5("eager", torch.float64))
+    base = run(_t5("sdpa"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run(_t5("mha"))
+    err_base = (base - ref).abs().max().item()
+    err_mha = (got - ref).abs().max().item()
+    assert err_mha <= 2 * err_base + 1e-6, (err_mha, err_base)
+
+
+def test_t5_training_falls_back_for_the_position_bias_gradient():
+    """In training the position bias is learned: mha has no gradient for it, so those calls run
+    transformers' sdpa (one warning) and the bias's gradient equals sdpa's."""
+    ids, mask = _inputs(pad=(0, 7), left=False)
+    dec = _inputs(length=12, pad=(0, 0), seed=2)[0]
+    grads = {}
+    mt._warned.clear()
+    for implementation in ("sdpa", "mha"):
+        model = _t5(implementation).train()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).last_hidden_state.square().sum().backward()
+        grads[implementation] = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
+        if implementation == "mha":
+            assert sum("position_bias needs its gradient" in str(w.message) for w in record) == 1
+    assert grads["mha"].abs().max() > 0
+    torch.testing.assert_close(grads["mha"], grads["sdpa"], rtol=1e-4, atol=1e-5)
