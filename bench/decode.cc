@@ -64,8 +64,7 @@ void run_decode(const Options& o, const Peer* peer) {
              "% read", peer_name + " ms", "GB/s", "ratio");
   std::ofstream csv;
   if (!o.csv.empty()) {
-    csv.open(o.csv, std::ios::app);
-    if (!csv) throw Error(fmt::format("bench: cannot write '{}'", o.csv));
+    csv = open_output(o.csv, std::ios::app);
     csv << "decode,case,cache_mib,L,mha_seconds,mha_gbps,percent_of_read_bandwidth,peer_seconds,peer_gbps,ratio\n";
   }
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -83,6 +82,7 @@ void run_decode(const Options& o, const Peer* peer) {
           << (times[i].second > 0 ? c.bytes() / times[i].second / 1e9 : 0)
           << "," << (times[i].second > 0 ? times[i].second / times[i].first : 0) << "\n";
   }
+  if (csv.is_open()) close_output(csv, o.csv);
 }
 
 namespace {

@@ -399,8 +399,7 @@ void report(const std::vector<Row>& rows, double peak, const Options& o, const P
                peak > 0 ? 100 * g / peak : 0.0, peer_cols);
   }
   if (!o.csv.empty()) {
-    std::ofstream f(o.csv);
-    if (!f) throw Error(fmt::format("bench: cannot write '{}'", o.csv));
+    std::ofstream f = open_output(o.csv, std::ios::out);
     f << "suite,case,shape,flops,mha_seconds,mha_gflops,percent_of_peak,peer,peer_seconds,peer_gflops,ratio\n";
     for (const Row& r : rows) {
       const double g = r.flops / r.mha_s / 1e9;
@@ -410,6 +409,7 @@ void report(const std::vector<Row>& rows, double peak, const Options& o, const P
         << (r.peer_s > 0 ? std::to_string(r.flops / r.peer_s / 1e9) : "") << ","
         << (r.peer_s > 0 ? std::to_string(r.peer_s / r.mha_s) : "") << "\n";
     }
+    close_output(f, o.csv);
   }
   if (!o.json.empty()) {
     nlohmann::json j;
@@ -422,16 +422,26 @@ void report(const std::vector<Row>& rows, double peak, const Options& o, const P
       if (r.peer_s > 0) e["peer_seconds"] = r.peer_s, e["peer_gflops"] = r.flops / r.peer_s / 1e9;
       j["rows"].push_back(e);
     }
-    std::ofstream f(o.json);
-    if (!(f << j.dump(1) << "\n")) throw Error(fmt::format("bench: cannot write '{}'", o.json));
+    std::ofstream f = open_output(o.json, std::ios::out);
+    f << j.dump(1) << "\n";
+    close_output(f, o.json);
   }
+}
+
+std::ofstream open_output(const std::string& path, std::ios::openmode mode) {
+  std::ofstream f(path, mode);
+  if (!f) throw Error(fmt::format("bench: cannot write '{}' (does its directory exist?)", path));
+  return f;
+}
+
+void close_output(std::ofstream& f, const std::string& path) {
+  f.close();
+  if (!f) throw Error(fmt::format("bench: cannot write '{}' (is the disk full?)", path));
 }
 
 void resolve_options(Options& o) {
   for (const std::string& path : {o.csv, o.json}) {
-    if (!path.empty() && !std::ofstream(path, std::ios::app)) {
-      throw Error(fmt::format("bench: cannot write '{}' (does its directory exist?)", path));
-    }
+    if (!path.empty()) open_output(path, std::ios::app);
   }
   o.threads = resolve_threads(o.threads);
 }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,12 @@ double memory_check(int threads, bool causal);
 // Runs the cases, printing progress to stderr, then the table to stdout; writes CSV/JSON if asked.
 std::vector<Row> run_suites(const Options& options, const Peer* peer, bool sweep);
 void report(const std::vector<Row>& rows, double peak_gflops, const Options& options, const Peer* peer);
+
+// An output file of the bench (--csv, --json) opened with `mode`, or an mha::Error naming it.
+std::ofstream open_output(const std::string& path, std::ios::openmode mode);
+// Closes what open_output opened: an mha::Error naming `path` if a write failed (a full disk),
+// not a table cut short in silence.
+void close_output(std::ofstream& f, const std::string& path);
 
 // Checks options.csv and options.json (an mha::Error naming the one that cannot be written:
 // found before the measurements, not after minutes of them; each is opened for appending), then
