@@ -7,6 +7,8 @@ same model, same weights, same inputs, one process, 2 threads (torch's and mha's
   transformers' cache (tokens/s of the decoding alone: generate(256) minus generate(1)).
 - A BERT-base encoder (hidden 768, 12 layers, 12 heads, MLP 3072): sequences/s at 128 and 512
   tokens, batch 8.
+- A T5-small encoder (d_model 512, 6 layers, 8 heads of 64, MLP 2048): a relative position bias
+  added to every layer's scores; sequences/s at 128 and 512 tokens, batch 8.
 In float32 and bfloat16 (the model cast with .to(dtype)). Random weights, no downloads. Each cell
 is the fastest of --repeats runs, the implementations taking turns within each repeat (neighbours
 on a shared machine only ever add time); "eager" skips 8192 tokens (its T x T weights per layer
@@ -20,14 +22,15 @@ And the fixed cost of one call (measured first): mha.scaled_dot_product_attentio
 against torch's SDPA, µs per call.
 
   python bench/transformers_e2e.py [--repeats 2] [--dtypes float32 bfloat16] [--json out.json] [--calls-only]
-                                   [--bound]
+                                   [--bound] [--models llama bert t5]
 """
 import argparse
 import json
 import time
 
 import torch
-from transformers import AttentionInterface, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from transformers import (AttentionInterface, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, T5Config,
+                          T5EncoderModel)
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import mha.integrations.transformers  # noqa: F401  (registers "mha")
@@ -60,6 +63,12 @@ def bert(dtype):
     return BertModel(config).eval().to(dtype)
 
 
+def t5(dtype):
+    config = T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8, dropout_rate=0.0)
+    torch.manual_seed(0)
+    return T5EncoderModel(config).eval().to(dtype)
+
+
 def interleaved(model, impls, fn, repeats):
     """{impl: the fastest of `repeats` timings of fn()}, the implementations taking turns within
     each repeat (drift on a shared machine hits them alike rather than whichever ran last)."""
@@ -73,57 +82,73 @@ def interleaved(model, impls, fn, repeats):
     return times
 
 
-def run(dtypes, repeats, bound=False):
+def run(dtypes, repeats, bound=False, models=("llama", "bert", "t5")):
     rows = []
     g = torch.Generator().manual_seed(0)
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        model = llama(dtype)
-        name = f"llama {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M"
-        for T in (512, 2048, 8192):
-            ids = torch.randint(3, 32000, (1, T), generator=g)
-            impls = [i for i in IMPLS if i != "eager" or T <= 2048] + (["free"] if bound else [])
-            with torch.no_grad():
-                for impl in impls:  # warm-up
-                    model.set_attn_implementation(impl)
-                    model(input_ids=ids[:, :64], use_cache=False)
-                times = interleaved(model, impls, lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1),
-                                    repeats)
-            for impl in impls:
-                rows.append(dict(model=name, dtype=dtype_name, case=f"prefill {T}", impl=impl, seconds=times[impl],
-                                 rate=T / times[impl], unit="tokens/s"))
-                print(rows[-1], flush=True)
-        prompt = torch.randint(3, 32000, (1, 512), generator=g)
+        if "llama" in models:
+            rows += run_llama(dtype, dtype_name, repeats, bound, g)
+        for family in ("bert", "t5"):
+            if family in models:
+                rows += run_encoder(family, dtype, dtype_name, repeats, g)
+    return rows
 
-        def generate(n):
-            with torch.no_grad():
-                model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                               min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-        for impl in IMPLS:
-            model.set_attn_implementation(impl)
-            generate(2)  # warm-up
-        long = interleaved(model, IMPLS, lambda: generate(256), repeats)
-        short = interleaved(model, IMPLS, lambda: generate(1), repeats)
-        for impl in IMPLS:
-            s = long[impl] - short[impl]
-            rows.append(dict(model=name, dtype=dtype_name, case="decode 256 after 512", impl=impl, seconds=s,
-                             rate=255 / s, unit="tokens/s"))
+def run_llama(dtype, dtype_name, repeats, bound, g):
+    """tokens/s of prefill (512, 2048, 8192 tokens) and of 256 greedy tokens after a 512-token prompt."""
+    rows = []
+    model = llama(dtype)
+    name = f"llama {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M"
+    for T in (512, 2048, 8192):
+        ids = torch.randint(3, 32000, (1, T), generator=g)
+        impls = [i for i in IMPLS if i != "eager" or T <= 2048] + (["free"] if bound else [])
+        with torch.no_grad():
+            for impl in impls:  # warm-up
+                model.set_attn_implementation(impl)
+                model(input_ids=ids[:, :64], use_cache=False)
+            times = interleaved(model, impls, lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1),
+                                repeats)
+        for impl in impls:
+            rows.append(dict(model=name, dtype=dtype_name, case=f"prefill {T}", impl=impl, seconds=times[impl],
+                             rate=T / times[impl], unit="tokens/s"))
             print(rows[-1], flush=True)
-        del model
-        model = bert(dtype)
-        for T in (128, 512):
-            ids = torch.randint(1000, 30000, (8, T), generator=g)
-            with torch.no_grad():
-                for impl in IMPLS:
-                    model.set_attn_implementation(impl)
-                    model(input_ids=ids[:1])
-                times = interleaved(model, IMPLS, lambda: model(input_ids=ids), repeats)
+    prompt = torch.randint(3, 32000, (1, 512), generator=g)
+
+    def generate(n):
+        with torch.no_grad():
+            model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    for impl in IMPLS:
+        model.set_attn_implementation(impl)
+        generate(2)  # warm-up
+    long = interleaved(model, IMPLS, lambda: generate(256), repeats)
+    short = interleaved(model, IMPLS, lambda: generate(1), repeats)
+    for impl in IMPLS:
+        s = long[impl] - short[impl]
+        rows.append(dict(model=name, dtype=dtype_name, case="decode 256 after 512", impl=impl, seconds=s,
+                         rate=255 / s, unit="tokens/s"))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def run_encoder(family, dtype, dtype_name, repeats, g):
+    """sequences/s of batches of 8 through BERT-base or the T5-small encoder."""
+    rows = []
+    model = bert(dtype) if family == "bert" else t5(dtype)
+    for T in (128, 512):
+        ids = torch.randint(1000, 30000, (8, T), generator=g)
+        with torch.no_grad():
             for impl in IMPLS:
-                rows.append(dict(model="bert-base", dtype=dtype_name, case=f"batch 8 x {T}", impl=impl,
-                                 seconds=times[impl], rate=8 / times[impl], unit="sequences/s"))
-                print(rows[-1], flush=True)
-        del model
+                model.set_attn_implementation(impl)
+                model(input_ids=ids[:1])
+            times = interleaved(model, IMPLS, lambda: model(input_ids=ids), repeats)
+        for impl in IMPLS:
+            rows.append(dict(model="bert-base" if family == "bert" else "t5-small encoder", dtype=dtype_name,
+                             case=f"batch 8 x {T}", impl=impl, seconds=times[impl], rate=8 / times[impl],
+                             unit="sequences/s"))
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -187,10 +212,11 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--calls-only", action="store_true", help="only the per-call overhead table")
     ap.add_argument("--bound", action="store_true", help="prefill also without attention (the most it can gain)")
+    ap.add_argument("--models", nargs="+", choices=("llama", "bert", "t5"), default=["llama", "bert", "t5"])
     a = ap.parse_args()
     torch.set_num_threads(THREADS)
     calls = call_overhead()
-    rows = run(a.dtypes, a.repeats, a.bound) if not a.calls_only else []
+    rows = run(a.dtypes, a.repeats, a.bound, a.models) if not a.calls_only else []
     print("| call | mha numpy | mha torch | torch sdpa |\n|---|---|---|---|")
     for name, c in calls:
         print(f"| {name} | {c['mha numpy']:.1f} µs | {c['mha torch']:.1f} µs | {c['torch sdpa']:.1f} µs |")

@@ -301,15 +301,15 @@ def test_position_bias_is_added_to_the_scores(mask_kind):
     """T5's relative position bias runs on mha's kernels (no fallback warning), as transformers'
     sdpa runs it (create_position_bias_mask): added to the scores; with no mask and is_causal,
     the future masked top-left; a boolean mask's False positions out; a float mask added. GQA
-    heads (4 query heads over 2 key heads), Tq < Tk; every row keeps a key. Against sdpa in
-    float64: float32 rounding."""
+    heads (4 query heads over 2 key heads), Tq < Tk; every row keeps a key; the bias strided as
+    T5's (a permuted embedding). Against sdpa in float64: float32 rounding."""
     class Attention(torch.nn.Module):
         is_causal = mask_kind == "causal"
         num_key_value_groups = 2
 
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, h, t, 8, generator=g) for h, t in ((4, 5), (2, 7), (2, 7)))
-    bias = torch.randn(1, 4, 5, 7, generator=g)
+    bias = torch.randn(5, 7, 4, generator=g).permute(2, 0, 1)[None]  # T5's layout: keys 4 apart
     mask = None
     if mask_kind == "bool":
         mask = (torch.rand(2, 1, 5, 7, generator=g) < 0.6) | torch.eye(5, 7, dtype=torch.bool)

@@ -152,6 +152,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if position_bias.dtype not in (torch.float32, query.dtype):
             raise Error(f"{_NAME}: position_bias must be float32 or the query's dtype ({query.dtype}); got "
                         f"{position_bias.dtype}")
+        if position_bias.stride(-1) != 1:
+            # T5's bias is a permuted embedding, (1, H, Tq, Tk) with keys H apart: the kernels would
+            # gather it key by key (~20% of the call at Tq = Tk = 512); one copy is cheaper.
+            position_bias = position_bias.contiguous()
         if mask is None:
             mask = position_bias  # with is_causal, the kernels mask the future (top-left) as sdpa does
         elif mask.dtype == torch.bool:
