@@ -5,8 +5,8 @@
 #define MHA_BENCH_SUITE_H_
 
 #include <cstdint>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 

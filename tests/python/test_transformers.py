@@ -323,6 +323,9 @@ def test_position_bias_is_added_to_the_scores(mask_kind):
     torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-6)
     with pytest.raises(mha.Error, match="position_bias must be float32"):
         mt.attention_forward(Attention(), q, k, v, mask, position_bias=bias.double())
+    for bad in (torch.tensor(1.0), bias[None]):
+        with pytest.raises(mha.Error, match=r"position_bias must be \(\.\.\., Tq, Tk\)"):
+            mt.attention_forward(Attention(), q, k, v, mask, position_bias=bad)
 
 
 def _t5(implementation, dtype=torch.float32):

@@ -101,10 +101,10 @@ def _check_arguments(module, tensors, dropout, scaling, is_causal, kwargs):
     for name, x, _ in tensors[:3]:
         if x.dim() != 4:
             raise Error(f"{_NAME}: {name} must be (B, H, T, D); got shape {tuple(x.shape)}")
-    mask = tensors[3][1]
-    if mask is not None and not 2 <= mask.dim() <= 4:
-        raise Error(f"{_NAME}: attention_mask must be (..., Tq, Tk) with at most 4 dimensions; got shape "
-                    f"{tuple(mask.shape)}")
+    for name, x, _ in tensors[3:5]:  # attention_mask, position_bias
+        if x is not None and not 2 <= x.dim() <= 4:
+            raise Error(f"{_NAME}: {name} must be (..., Tq, Tk) with at most 4 dimensions; got shape "
+                        f"{tuple(x.shape)}")
     dropout = 0.0 if dropout is None else A.check_number(dropout, f"{_NAME}: dropout", 0.0, 1.0)
     if scaling is not None:
         A.check_number(scaling, f"{_NAME}: scaling")
