@@ -66,10 +66,12 @@ template <typename T>
 void backward_typed(const In& q, const In& k, const In& v, const In& out, const In& lse, const In& grad_out,
                     const Out& dq, const Out& dk, const Out& dv, const std::optional<In>& keep_mask,
                     const std::optional<In>& attn_bias, const std::optional<In>& key_lengths, const ScoreInputs& score,
-                    const std::optional<Out>& grad_sinks, const AttentionOptions& opt) {
+                    const std::optional<Out>& grad_sinks, const std::optional<Out>& grad_attn_bias,
+                    const AttentionOptions& opt) {
   const BasicAttentionInputs<T> in = inputs_of<T>(q, k, v, keep_mask, attn_bias, key_lengths, score);
   const BasicAttentionInputGrads<T> g{view_of<T>(dq, "grad_query"), view_of<T>(dk, "grad_key"),
-                                      view_of<T>(dv, "grad_value"), optional_view<float>(grad_sinks, "grad_sinks")};
+                                      view_of<T>(dv, "grad_value"), optional_view<float>(grad_sinks, "grad_sinks"),
+                                      optional_view<float>(grad_attn_bias, "grad_attn_bias")};
   const View<const T> o = view_of<const T>(out, "out"), go = view_of<const T>(grad_out, "grad_out");
   const View<const float> l = view_of<const float>(lse, "lse");
   nb::gil_scoped_release release;
@@ -82,20 +84,21 @@ void attention_backward_py(const In& q, const In& k, const In& v, const In& out,
                            std::optional<float> scale, int causal, int64_t window, float dropout_p,
                            uint64_t dropout_seed, int num_threads, const std::string& backend, float softcap,
                            const std::optional<In>& alibi_slopes, const std::optional<In>& sinks,
-                           const std::optional<Out>& grad_sinks, int64_t sink_tokens) {
+                           const std::optional<Out>& grad_sinks, int64_t sink_tokens,
+                           const std::optional<Out>& grad_attn_bias) {
   const AttentionOptions opt =
       options_of(scale, causal, window, dropout_p, dropout_seed, num_threads, backend, softcap, sink_tokens);
   const ScoreInputs score{alibi_slopes, sinks};
   switch (element_type(q, k, v)) {
     case DType::kBF16:
       return backward_typed<bfloat16>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, score,
-                                      grad_sinks, opt);
+                                      grad_sinks, grad_attn_bias, opt);
     case DType::kF16:
       return backward_typed<float16>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, score,
-                                     grad_sinks, opt);
+                                     grad_sinks, grad_attn_bias, opt);
     default:
       return backward_typed<float>(q, k, v, out, lse, grad_out, dq, dk, dv, keep_mask, attn_bias, key_lengths, score,
-                                   grad_sinks, opt);
+                                   grad_sinks, grad_attn_bias, opt);
   }
 }
 
@@ -192,7 +195,8 @@ NB_MODULE(_mha, m) {
         nb::arg("key_lengths").none() = nb::none(), nb::arg("scale").none() = nb::none(), nb::arg("causal") = 0,
         nb::arg("window") = 0, nb::arg("dropout_p") = 0.0f, nb::arg("dropout_seed") = 0, nb::arg("num_threads") = 0,
         nb::arg("backend") = "auto", nb::arg("softcap") = 0.0f, nb::arg("alibi_slopes").none() = nb::none(),
-        nb::arg("sinks").none() = nb::none(), nb::arg("grad_sinks").none() = nb::none(), nb::arg("sink_tokens") = 0);
+        nb::arg("sinks").none() = nb::none(), nb::arg("grad_sinks").none() = nb::none(), nb::arg("sink_tokens") = 0,
+        nb::arg("grad_attn_bias").none() = nb::none());
 
   m.def("merge_attention", &merge_py, nb::arg("out"), nb::arg("lse"), nb::arg("part_out"), nb::arg("part_lse"),
         nb::arg("num_threads") = 0);

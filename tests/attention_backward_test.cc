@@ -1,6 +1,7 @@
 // The attention backward: the reference against finite differences of a float64 forward, the
 // fast kernel against the reference (2x the error of plain float32, docs/numerics.md) on
-// every SIMD target, and the same bits for 1 and 2 threads.
+// every SIMD target, and the same bits for 1 and 2 threads; the bias's gradient (summed over
+// its broadcast dimensions) in each of these, and its arguments' checks.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -57,16 +58,35 @@ struct Problem {
 };
 
 struct Grads {
-  Tensor dq, dk, dv, dsink;
+  Tensor dq, dk, dv, dsink, dbias;
   explicit Grads(const Problem& p)
       : dq(DType::kF32, {p.B, p.Hq, p.Tq, p.D}), dk(DType::kF32, {p.B, p.Hkv, p.Tk, p.D}),
         dv(DType::kF32, {p.B, p.Hkv, p.Tk, p.Dv}) {
     if (p.in.sinks.given()) dsink = Tensor(DType::kF32, {p.Hq});
+    if (p.in.attn_bias.given()) dbias = Tensor(DType::kF32, p.bias.shape());
+    if (dbias.defined()) std::fill(dbias.data<float>(), dbias.data<float>() + dbias.numel(), NAN);  // all written
   }
   AttentionInputGrads views() {
-    return {dq.view<float>(), dk.view<float>(), dv.view<float>(), dsink.defined() ? dsink.view<float>() : View<float>()};
+    return {dq.view<float>(), dk.view<float>(), dv.view<float>(), dsink.defined() ? dsink.view<float>() : View<float>(),
+            dbias.defined() ? dbias.view<float>() : View<float>()};
   }
 };
+
+// The bias's element that score (b, h, i, j) reads: its shape right-aligned, 1s broadcast.
+int64_t bias_index(const std::vector<int64_t>& shape, int64_t b, int64_t h, int64_t i, int64_t j) {
+  const int64_t at[4] = {b, h, i, j};
+  const int shift = 4 - static_cast<int>(shape.size());
+  int64_t index = 0;
+  for (size_t d = 0; d < shape.size(); ++d) index = index * shape[d] + (shape[d] == 1 ? 0 : at[shift + d]);
+  return index;
+}
+
+// A random bias of a shape that broadcasts to (B, Hq, Tq, Tk), or of that shape itself.
+void add_bias(Problem& p, Rng& rng) {
+  const std::vector<int64_t> full = {p.B, p.Hq, p.Tq, p.Tk};
+  p.bias = random_tensor(rng, rng.coin(0.3) ? full : broadcast_shape(rng, full));
+  p.in.attn_bias = p.bias.view<float>();
+}
 
 // Forward (to get out and lse) then backward on one backend.
 Grads run(Problem& p, Backend backend, int threads = 0) {
@@ -99,8 +119,20 @@ Grads run_plain(Problem& p) {
   gp.grad_v_stride = {p.Hkv * p.Tk * p.Dv, p.Tk * p.Dv, p.Dv, 1};
   std::vector<double> dsink(static_cast<size_t>(p.B * p.Hq), 0.0);
   gp.grad_sinks_by_batch = dsink.data();
+  std::vector<float> dscores(static_cast<size_t>(p.B * p.Hq * p.Tq * p.Tk), 0.0f);
+  gp.grad_scores = g.dbias.defined() ? dscores.data() : nullptr;
+  gp.grad_scores_stride = {p.Hq * p.Tq * p.Tk, p.Tq * p.Tk, p.Tk, 1};
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t hk = 0; hk < p.Hkv; ++hk) kernels::attention_bwd_ref_head<float>(ap, gp, b, hk);
+  if (g.dbias.defined()) {  // summed over the bias's broadcast dimensions in float32
+    std::fill(g.dbias.data<float>(), g.dbias.data<float>() + g.dbias.numel(), 0.0f);
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int64_t h = 0; h < p.Hq; ++h)
+        for (int64_t i = 0; i < p.Tq; ++i)
+          for (int64_t j = 0; j < p.Tk; ++j)
+            g.dbias.data<float>()[bias_index(p.bias.shape(), b, h, i, j)] +=
+                dscores[static_cast<size_t>(((b * p.Hq + h) * p.Tq + i) * p.Tk + j)];
+  }
   for (int64_t h = 0; g.dsink.defined() && h < p.Hq; ++h) {
     double total = 0;
     for (int64_t b = 0; b < p.B; ++b) total += dsink[static_cast<size_t>(b * p.Hq + h)];
@@ -147,10 +179,7 @@ TEST(AttentionBackward, ReferenceMatchesFiniteDifferences) {
       p.keep = random_mask(rng, {p.Tq, p.Tk}, 0.7);
       p.in.keep_mask = p.keep.view<uint8_t>();
     }
-    if (trial % 3 == 2) {
-      p.bias = random_tensor(rng, {p.Hq, p.Tq, p.Tk});
-      p.in.attn_bias = p.bias.view<float>();
-    }
+    if (trial % 3 == 2) add_bias(p, rng);
     p.opt.causal = static_cast<Causal>(trial % 3);
     if (trial % 4 == 3) p.opt.dropout_p = 0.3f, p.opt.dropout_seed = 11;
     if (trial >= 12) p.add_variants(rng, 0.7);  // softcap, ALiBi, sinks (issue 14)
@@ -161,6 +190,7 @@ TEST(AttentionBackward, ReferenceMatchesFiniteDifferences) {
     std::vector<std::tuple<Tensor*, const Tensor*, const char*>> wrt = {{&p.q, &g.dq, "dq"}, {&p.k, &g.dk, "dk"},
                                                                          {&p.v, &g.dv, "dv"}};
     if (p.in.sinks.given()) wrt.emplace_back(&p.sinks, &g.dsink, "dsink");
+    if (p.in.attn_bias.given()) wrt.emplace_back(&p.bias, &g.dbias, "dbias");
     for (auto [t, grad, name] : wrt) {
       for (int64_t i = 0; i < t->numel(); ++i) {
         float& x = t->data<float>()[i];
@@ -198,7 +228,7 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
 // values: dV_j by 8u·Σ_i P_ij·|dO_i|, dQ_i by 8u·scale·Σ_j |dS_ij|·|K_j| with |dS_ij| taken as
 // P_ij·(|dO_i|·|V_j| + |D_i|), dK_j likewise over the rows. Computed from the naive float64 P.
 struct Floors {
-  double dq = 0, dk = 0, dv = 0, dsink = 0;
+  double dq = 0, dk = 0, dv = 0, dsink = 0, dbias = 0;  // dbias: 8u·Σ P_ij·(|dP_ij| + |D_i|) it sums
 };
 Floors floors(const Problem& p) {
   const NaiveResult r = naive_attention(p.in, p.opt);
@@ -207,6 +237,7 @@ Floors floors(const Problem& p) {
   const int64_t G = p.Hq / p.Hkv;
   std::vector<double> aq(p.D), ak(static_cast<size_t>(p.Tk * p.D)), av(static_cast<size_t>(p.Tk * p.Dv));
   std::vector<double> asink(static_cast<size_t>(p.Hq));  // dsink_h: Σ_{b,i} P_sink·|D_i|, D_i ≤ Σ_d |dO|·|O|
+  std::vector<double> abias(p.in.attn_bias.given() ? static_cast<size_t>(p.bias.numel()) : 0);
   Floors f;
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t hk = 0; hk < p.Hkv; ++hk) {
@@ -228,6 +259,7 @@ Floors floors(const Problem& p) {
               dp += dO(d) * std::fabs(double{p.in.value.at(b, hk, j, d)});
               av[j * p.Dv + d] += P * dO(d);
             }
+            if (!abias.empty()) abias[static_cast<size_t>(bias_index(p.bias.shape(), b, h, i, j))] += P * (dp + drow);
             const double ds = P * (dp + drow) * scale;
             for (int64_t d = 0; d < p.D; ++d) {
               aq[d] += ds * std::fabs(double{p.in.key.at(b, hk, j, d)});
@@ -240,6 +272,7 @@ Floors floors(const Problem& p) {
       for (double x : av) f.dv = std::max(f.dv, x);
     }
   for (double x : asink) f.dsink = std::max(f.dsink, x);
+  for (double x : abias) f.dbias = std::max(f.dbias, x);
   return f;
 }
 
@@ -268,6 +301,14 @@ void check_fast(Problem& p) {
     EXPECT_LE(ef, 2 * ep + std::max(4 * kU, 8 * kU * floor.dsink / sscale))
         << "dsink: fast " << ef << " plain float32 " << ep << " floor " << 8 * kU * floor.dsink / sscale;
   }
+  if (p.in.attn_bias.given()) {
+    // dbias sums P·(dP - D) over its broadcast dimensions: on its own scale, the same rule.
+    double bscale = 1e-30;
+    for (int64_t i = 0; i < ref.dbias.numel(); ++i) bscale = std::max(bscale, std::fabs(double{ref.dbias.data<float>()[i]}));
+    const double ef = max_abs_diff(fast.dbias, ref.dbias) / bscale, ep = max_abs_diff(plain.dbias, ref.dbias) / bscale;
+    EXPECT_LE(ef, 2 * ep + std::max(4 * kU, 8 * kU * floor.dbias / bscale))
+        << "dbias " << shape_string(p.bias.view<float>()) << ": fast " << ef << " plain float32 " << ep;
+  }
 }
 
 TEST_P(BackwardTest, TileEdgesHeadDimsAndOptions) {
@@ -295,6 +336,7 @@ TEST_P(BackwardTest, TileEdgesHeadDimsAndOptions) {
     if (T > 60) p.opt.window = 37, p.opt.sink_tokens = 5;
     p.make(rng);
     p.add_variants(rng, 1.0);
+    add_bias(p, rng);
     check_fast(p);
   }
   for (int64_t D : {1, 3, 16, 33, 64, 80, 128}) {
@@ -328,10 +370,7 @@ TEST_P(BackwardTest, RandomProblems) {
       p.keep = random_mask(rng, {p.B, 1, p.Tq, p.Tk}, rng.coin(0.5) ? 0.9 : 0.4);
       p.in.keep_mask = p.keep.view<uint8_t>();
     }
-    if (rng.coin(0.3)) {
-      p.bias = random_tensor(rng, {p.Hq, p.Tq, p.Tk});
-      p.in.attn_bias = p.bias.view<float>();
-    }
+    if (rng.coin(0.3)) add_bias(p, rng);
     if (rng.coin(0.3)) {
       p.lengths = random_lengths(rng, p.B, p.Tk);
       p.in.key_lengths = p.lengths.view<int64_t>();
@@ -358,10 +397,42 @@ TEST_P(BackwardTest, SameBitsForOneAndTwoThreads) {
   p.opt.dropout_p = 0.1f;
   p.opt.dropout_seed = 3;
   p.make(rng);
+  p.bias = random_tensor(rng, {p.Hq, 1, p.Tk});  // its gradient sums over batch and query rows
+  p.in.attn_bias = p.bias.view<float>();
   const Grads a = run(p, Backend::kFast, 1), b = run(p, Backend::kFast, 2);
   EXPECT_TRUE(bitwise_equal(a.dq, b.dq));
   EXPECT_TRUE(bitwise_equal(a.dk, b.dk));
   EXPECT_TRUE(bitwise_equal(a.dv, b.dv));
+  EXPECT_TRUE(bitwise_equal(a.dbias, b.dbias));
+}
+
+// grad_attn_bias: only with attn_bias, of its shape, its elements distinct, apart from it.
+TEST(AttentionBackward, BiasGradientArgumentsAreChecked) {
+  Rng rng(base_seed() + 35);
+  Problem p;
+  p.make(rng);
+  p.bias = random_tensor(rng, {p.Hq, p.Tq, p.Tk});
+  Tensor out(DType::kF32, {p.B, p.Hq, p.Tq, p.Dv}), lse(DType::kF32, {p.B, p.Hq, p.Tq});
+  Tensor dbias(DType::kF32, {p.Hq, p.Tq, p.Tk}), wrong(DType::kF32, {p.Hq, 1, p.Tk});
+  Grads g(p);
+  auto backward = [&](bool with_bias, View<float> grad) {
+    AttentionInputs in = p.in;
+    if (with_bias) in.attn_bias = p.bias.view<float>();
+    attention(in, {out.view<float>(), lse.view<float>()}, p.opt);
+    AttentionInputGrads grads = g.views();
+    grads.grad_attn_bias = grad;
+    attention_backward(in, out.view<float>(), lse.view<float>(), p.dout.view<float>(), grads, p.opt);
+  };
+  EXPECT_NO_THROW(backward(true, dbias.view<float>()));
+  EXPECT_NO_THROW(backward(true, View<float>()));  // the bias without its gradient
+  expect_error([&] { backward(false, dbias.view<float>()); }, {"grad_attn_bias (2, 5, 6) given without attn_bias"});
+  expect_error([&] { backward(true, wrong.view<float>()); },
+               {"grad_attn_bias must have the shape of attn_bias (2, 5, 6); got (2, 1, 6)"});
+  expect_error([&] { backward(true, View<float>(dbias.data<float>(), {p.Hq, p.Tq, p.Tk}, {p.Tq * p.Tk, 0, 1})); },
+               {"grad_attn_bias (2, 5, 6) has stride 0 in dimension 1"});
+  expect_error([&] { backward(true, View<float>(p.bias.data<float>(), {p.Hq, p.Tq, p.Tk})); },
+               {"grad_attn_bias overlaps attn_bias"});
+  expect_error([&] { backward(true, View<float>(nullptr, {p.Hq, p.Tq, p.Tk})); }, {"grad_attn_bias has a null data pointer"});
 }
 
 // (B, T, H, D) storage viewed as (B, H, T, D), the layout of projections: the forward prefetches

@@ -84,6 +84,8 @@ struct BasicAttentionInputs {
   View<const T> value;                // (B, Hkv, Tk, Dv)
   View<const uint8_t> keep_mask;      // optional, broadcastable to (B, Hq, Tq, Tk); nonzero = attend
   View<const float> attn_bias;        // optional, broadcastable to (B, Hq, Tq, Tk); added to scores
+  // Both masks are read key by key along their last stride: any stride is correct, but keys
+  // spaced apart (a permuted bias) cost a cache line each. Python copies such a mask once.
   View<const int64_t> key_lengths;    // optional (B,): 0 <= key_lengths[b] <= Tk
   View<const float> alibi_slopes;     // optional (Hq,) or (B, Hq): finite ALiBi slopes
   View<const float> sinks;            // optional (Hq,): finite sink logits
@@ -130,14 +132,21 @@ struct BasicAttentionInputGrads {
   View<T> grad_key;    // (B, Hkv, Tk, Dqk): summed over the query heads of each group
   View<T> grad_value;  // (B, Hkv, Tk, Dv)
   View<float> grad_sinks;  // (Hq,): required when inputs.sinks is given, summed over batch and rows
+  // Optional, only with inputs.attn_bias and of its shape: dL/d attn_bias, summed over the
+  // dimensions the bias broadcasts along (float32 for every element type).
+  View<float> grad_attn_bias;
 };
 using AttentionInputGrads = BasicAttentionInputGrads<float>;
 
 // The backward of attention(): `in` and `options` as given to the forward (the same dropout
 // seed regenerates the same dropout mask), its output `out` and `lse`, and grad_out = dL/d out.
 // Memory O(T·D) per thread; the same bits for any thread count (no atomics). Masked keys and
-// fully masked rows receive zero gradient. Gradients of keep_mask, bias and key_lengths are
-// not computed. bfloat16/float16: the gradients are accumulated in float32 and rounded once to T.
+// fully masked rows receive zero gradient. Gradients of keep_mask and key_lengths are not
+// computed; attn_bias's is when grad_attn_bias is given: the gradient of the score the bias is
+// added to, P ⊙ (dP − D) (zero where a key is masked or its score is −inf), summed over the
+// bias's broadcast dimensions in double in a fixed order. A bias that broadcasts takes a float32
+// (B, Hq, Tq, Tk) scratch buffer for that (a full-shape one is written in place).
+// bfloat16/float16: the gradients are accumulated in float32 and rounded once to T.
 void attention_backward(const AttentionInputs& in, const View<const float>& out, const View<const float>& lse,
                         const View<const float>& grad_out, const AttentionInputGrads& grads,
                         const AttentionOptions& options = {});

@@ -192,6 +192,23 @@ def expand(x, shape):
     return np.broadcast_to(x, tuple(shape))
 
 
+def keys_dense(x):
+    """x, or a copy of it whose last (key) dimension is dense, for a mask whose keys are spaced
+    apart (a transposed mask, or T5's position bias, a permuted embedding with keys H apart). The
+    kernels read a mask row key by key, so spaced keys cost a cache line each, re-read once per
+    head. Broadcast (stride-0) dimensions stay broadcast: only the distinct elements are copied."""
+    if is_torch(x):
+        strides, unit = x.stride(), 1
+    else:
+        strides, unit = x.strides, x.itemsize
+    if x.ndim == 0 or x.shape[-1] <= 1 or strides[-1] == 0 or strides[-1] == unit:
+        return x
+    distinct = x[tuple(slice(0, 1) if s == 0 else slice(None) for s in strides)]
+    if is_torch(x):
+        return distinct.contiguous().expand(*x.shape)
+    return np.broadcast_to(np.ascontiguousarray(distinct), x.shape)
+
+
 def reshape(x, shape):
     return x.reshape(tuple(shape))
 

@@ -4,8 +4,10 @@ mha.scaled_dot_product_attention routes here when a torch input requires grad. T
 keeps the output and its log-sum-exp (O(T) memory, no T x T matrix); the backward runs mha's
 FlashAttention-2-style kernel, regenerating dropout from the saved seed. Broadcast key/value
 (a batch or head dimension of 1) is expanded *outside* the Function, so torch sums the
-gradient over the broadcast copies itself. attn_mask, key_lengths, alibi_slopes: constants
-(no gradient); sinks get their gradient (summed over batch and rows, float32).
+gradient over the broadcast copies itself. A float attn_mask gets its gradient (float32, the
+kernel sums it over the mask's size-1 dimensions; torch then over what was expanded), sinks get
+theirs (summed over batch and rows, float32); a bool attn_mask, key_lengths and alibi_slopes
+are constants.
 """
 import torch
 
@@ -53,6 +55,7 @@ class AttentionFunction(torch.autograd.Function):
         dk = torch.empty(k.shape, dtype=q.dtype)
         dv = torch.empty(v.shape, dtype=q.dtype)
         dsinks = None if ctx.sinks is None else torch.empty(ctx.sinks.shape, dtype=torch.float32)
+        dbias = torch.empty(ctx.bias.shape, dtype=torch.float32) if ctx.needs_input_grad[5] else None
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         n = A.native
@@ -62,8 +65,8 @@ class AttentionFunction(torch.autograd.Function):
                                 scale=scale, causal=causal, window=window, dropout_p=dropout_p, dropout_seed=seed,
                                 num_threads=num_threads, backend=backend, softcap=softcap,
                                 alibi_slopes=n(ctx.alibi), sinks=n(ctx.sinks), grad_sinks=n(dsinks),
-                                sink_tokens=sink_tokens)
-        return dq, dk, dv, dsinks, None, None, None, None, None
+                                sink_tokens=sink_tokens, grad_attn_bias=n(dbias))
+        return dq, dk, dv, dsinks, None, dbias, None, None, None
 
 
 def attention(p, dropout_p, seed, num_threads, backend, want_weights, average_weights):

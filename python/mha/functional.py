@@ -123,6 +123,7 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
             m = A.reshape(A.expand(m, tuple(lead) + tuple(m.shape[len(lead):])), (p.N,) + tuple(m.shape[len(lead):]))
         elif not lead:
             m = A.reshape(m, (1,) + tuple(m.shape))
+        m = A.keys_dense(m)
         if A.is_bool(m):
             p.keep = m
         elif A.is_floating(m):
@@ -270,7 +271,7 @@ def _fast_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, align
     if attn_mask is not None:
         if attn_mask.ndim != 4 or any(m != 1 and m != t for m, t in zip(attn_mask.shape, (B, Hq, L, S))):
             return None
-        attn_mask = A.native(A.expand(attn_mask, (B, Hq, L, S)))
+        attn_mask = A.native(A.expand(A.keys_dense(attn_mask), (B, Hq, L, S)))
     if scale is not None and not (type(scale) is float and math.isfinite(scale)):
         return None
     if align is None or type(is_causal) is not bool or type(enable_gqa) is not bool or type(backend) is not str:
@@ -334,13 +335,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if kind == "torch":
         torch = A.torch_module()
         needs_grad = torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (query, key, value, p.sinks))
+            x is not None and x.requires_grad for x in (query, key, value, p.sinks, p.bias))
         if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
             raise Error(f"{name}: mha does not compute gradients with respect to alibi_slopes; pass "
                         "alibi_slopes.detach()")
-        if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
-            raise Error("scaled_dot_product_attention: mha does not compute gradients with respect to attn_mask; "
-                        "pass attn_mask.detach()")
     if needs_grad:
         from . import autograd  # imports torch, which the caller already has
         out, lse, weights = autograd.attention(p, dropout_p, seed, num_threads, backend, return_weights,

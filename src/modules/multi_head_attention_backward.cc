@@ -154,7 +154,7 @@ MhaInputGrads MultiHeadAttention::backward(const MhaTape& tape, const View<const
   attention_options.backend = options.backend;
   Tensor dsinks = c.sinks ? Tensor(DType::kF32, {Hq}) : Tensor();
   attention_backward(ai, out_heads, t.lse.view<float>(), dout_heads,
-                     {grad_heads.q, grad_heads.k, grad_heads.v, c.sinks ? dsinks.view<float>() : View<float>()},
+                     {grad_heads.q, grad_heads.k, grad_heads.v, c.sinks ? dsinks.view<float>() : View<float>(), View<float>()},
                      attention_options);
   if (c.sinks) {
     for (int64_t h = 0; h < Hq; ++h) grads->sinks.data<float>()[h] += dsinks.data<float>()[h];

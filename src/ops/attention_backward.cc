@@ -1,4 +1,5 @@
 // attention_backward(): argument checks, then the reference or the fast kernel.
+#include <array>
 #include <cmath>
 #include <new>
 #include <vector>
@@ -87,6 +88,56 @@ void sink_gradients(const kernels::AttentionParams& p, const void* grad_out, con
   });
 }
 
+// The bias's gradient: its view, right-aligned against the scores (B, Hq, Tq, Tk), as 4-D
+// shape and strides (1 and 0 where it has no dimension).
+struct BiasGrad {
+  std::array<int64_t, 4> shape{1, 1, 1, 1}, stride{0, 0, 0, 0};
+  float* data = nullptr;
+
+  explicit BiasGrad(const View<float>& v) : data(v.data) {
+    const int shift = 4 - v.rank;
+    for (int i = 0; i < v.rank; ++i) shape[shift + i] = v.shape[i], stride[shift + i] = v.stride[i];
+  }
+  float& at(int64_t a, int64_t h, int64_t i, int64_t j) const {
+    return data[a * stride[0] + h * stride[1] + i * stride[2] + j * stride[3]];
+  }
+};
+
+void fill_zero(const BiasGrad& v, int num_threads) {
+  parallel_for(v.shape[0] * v.shape[1] * v.shape[2], num_threads, [&](int64_t r) {
+    const int64_t a = r / (v.shape[1] * v.shape[2]), h = r / v.shape[2] % v.shape[1], i = r % v.shape[2];
+    for (int64_t j = 0; j < v.shape[3]; ++j) v.at(a, h, i, j) = 0.0f;
+  });
+}
+
+// dst = full (contiguous (B, Hq, Tq, Tk)) summed over the dimensions dst broadcasts along (its
+// size 1 where the scores' is larger): per element of dst, in double, in a fixed order.
+void sum_to_bias_shape(const float* full, const int64_t (&scores)[4], const BiasGrad& dst, int num_threads) {
+  const int64_t row_stride[3] = {scores[1] * scores[2] * scores[3], scores[2] * scores[3], scores[3]};
+  const bool keys_summed = dst.shape[3] != scores[3];
+  parallel_for(dst.shape[0] * dst.shape[1] * dst.shape[2], num_threads, [&](int64_t r) {
+    const int64_t at[3] = {r / (dst.shape[1] * dst.shape[2]), r / dst.shape[2] % dst.shape[1], r % dst.shape[2]};
+    int64_t lo[3], hi[3];  // the score rows this row of dst sums, per dimension
+    for (int d = 0; d < 3; ++d) {
+      const bool summed = dst.shape[d] != scores[d];
+      lo[d] = summed ? 0 : at[d];
+      hi[d] = summed ? scores[d] : at[d] + 1;
+    }
+    std::vector<double> acc(static_cast<size_t>(dst.shape[3]), 0.0);
+    for (int64_t a = lo[0]; a < hi[0]; ++a)
+      for (int64_t h = lo[1]; h < hi[1]; ++h)
+        for (int64_t i = lo[2]; i < hi[2]; ++i) {
+          const float* src = full + a * row_stride[0] + h * row_stride[1] + i * row_stride[2];
+          if (keys_summed) {
+            for (int64_t j = 0; j < scores[3]; ++j) acc[0] += src[j];
+          } else {
+            for (int64_t j = 0; j < scores[3]; ++j) acc[static_cast<size_t>(j)] += src[j];
+          }
+        }
+    for (int64_t j = 0; j < dst.shape[3]; ++j) dst.at(at[0], at[1], at[2], j) = static_cast<float>(acc[static_cast<size_t>(j)]);
+  });
+}
+
 // Every element type: the forward's checks with out and lse in their places (only read here)
 // and the gradients' checks, then the fast kernel (16-bit arguments widened as read, gradients
 // rounded once) or the reference — float32 only, so 16-bit arguments reach it as widened copies
@@ -116,6 +167,22 @@ void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const
   } else {
     MHA_CHECK(!gs.given(), "attention_backward: grad_sinks {} given without sinks", shape_string(gs));
   }
+  const View<float>& gb = grads.grad_attn_bias;
+  if (gb.given()) {
+    MHA_CHECK(in.attn_bias.given(), "attention_backward: grad_attn_bias {} given without attn_bias",
+              shape_string(gb));
+    MHA_CHECK(gb.rank == in.attn_bias.rank && gb.shape == in.attn_bias.shape,
+              "attention_backward: grad_attn_bias must have the shape of attn_bias {}; got {}",
+              shape_string(in.attn_bias), shape_string(gb));
+    MHA_CHECK(gb.numel() == 0 || gb.data, "attention_backward: grad_attn_bias has a null data pointer");
+    for (int i = 0; i < gb.rank; ++i) {
+      MHA_CHECK(gb.shape[i] <= 1 || gb.stride[i] != 0,
+                "attention_backward: grad_attn_bias {} has stride 0 in dimension {}: its elements would overlap",
+                shape_string(gb), i);
+    }
+    MHA_CHECK(!ops::views_overlap(gb, "grad_attn_bias", in.attn_bias, "attn_bias"),
+              "attention_backward: grad_attn_bias overlaps attn_bias");
+  }
   kernels::AttentionGradParams g;
   g.grad_out = grad_out.data;
   g.grad_out_stride = strides(grad_out);
@@ -127,9 +194,27 @@ void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const
   g.grad_v_stride = strides(grads.grad_value);
   const int n = options.num_threads;
   try {
+    // The bias's gradient: written by the kernels into the caller's view when it has the scores'
+    // shape, else into a full float32 buffer summed down to it afterwards.
+    const int64_t scores[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
+    const BiasGrad bias_grad(gb);
+    Tensor full_grad;
+    // (16-bit arguments on the reference backend recurse as float32, which does this.)
+    if (gb.given() && (std::is_same_v<T, float> || options.backend != Backend::kReference)) {
+      if (bias_grad.shape == std::array<int64_t, 4>{scores[0], scores[1], scores[2], scores[3]}) {
+        fill_zero(bias_grad, n);
+        g.grad_scores = bias_grad.data;
+        g.grad_scores_stride = bias_grad.stride;
+      } else {
+        full_grad = Tensor(DType::kF32, {scores[0], scores[1], scores[2], scores[3]});  // zero-filled
+        g.grad_scores = full_grad.data<float>();
+        g.grad_scores_stride = {scores[1] * scores[2] * scores[3], scores[2] * scores[3], scores[3], 1};
+      }
+    }
     if (options.backend != Backend::kReference) {
       kernels::flash_backward(p, g, n);
       if (p.sinks) sink_gradients(p, grad_out.data, g.grad_out_stride, gs, n);
+      if (full_grad.defined()) sum_to_bias_shape(full_grad.data<float>(), scores, bias_grad, n);
     } else if constexpr (std::is_same_v<T, float>) {
       std::vector<double> by_batch(p.sinks ? static_cast<size_t>(p.batch * p.q_heads) : 0, 0.0);
       g.grad_sinks_by_batch = p.sinks ? by_batch.data() : nullptr;
@@ -141,6 +226,7 @@ void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const
         for (int64_t b = 0; b < p.batch; ++b) total += by_batch[static_cast<size_t>(b * p.q_heads + h)];
         gs.data[h * gs.stride[0]] = static_cast<float>(total);
       }
+      if (full_grad.defined()) sum_to_bias_shape(full_grad.data<float>(), scores, bias_grad, n);
     } else {
       const Tensor q = widen(in.query, n), k = widen(in.key, n), v = widen(in.value, n);
       const Tensor o = widen(out, n), go = widen(grad_out, n);
@@ -148,7 +234,7 @@ void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const
       const AttentionInputs in32{q.view<float>(), k.view<float>(), v.view<float>(), in.keep_mask, in.attn_bias,
                                  in.key_lengths, in.alibi_slopes, in.sinks};
       backward<float>(in32, o.view<float>(), lse, go.view<float>(),
-                      {gq.view<float>(), gk.view<float>(), gv.view<float>(), gs}, options);
+                      {gq.view<float>(), gk.view<float>(), gv.view<float>(), gs, gb}, options);
       narrow(gq, grads.grad_query, n);
       narrow(gk, grads.grad_key, n);
       narrow(gv, grads.grad_value, n);

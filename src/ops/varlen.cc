@@ -323,7 +323,7 @@ void backward(const BasicVarlenInputs<T>& in, const View<const T>& out, const Vi
                       const BasicAttentionInputGrads<T> g{scratch<T>(Workspace::kVarlenGradQuery, Hq, nq, D),
                                                           scratch<T>(Workspace::kVarlenGradKey, Hkv, nk, D),
                                                           scratch<T>(Workspace::kVarlenGradValue, Hkv, nk, Dv),
-                                                          View<float>()};  // varlen takes no sinks
+                                                          View<float>(), View<float>()};  // no sinks, no bias
                       attention_backward(a, ot, sequence_lse(lse, q0, nq), go, g, o);
                       scatter_heads(g.grad_query, grads.grad_query, q0, threads);
                       scatter_heads(g.grad_key, grads.grad_key, k0, threads);

@@ -1,6 +1,7 @@
 """mha attention inside torch autograd: gradients of mha.scaled_dot_product_attention against
-torch autograd of torch's SDPA (float64) on random configurations, dropout regenerated in
-the backward, and a small torch model that trains with mha's attention."""
+torch autograd of torch's SDPA (float64) on random configurations (a float attn_mask's
+included), dropout regenerated in the backward, and a small torch model that trains with mha's
+attention."""
 import numpy as np
 import pytest
 import torch
@@ -22,11 +23,15 @@ def grad_case(draw):
                 scale=draw(st.one_of(st.none(), st.floats(0.1, 1.5))), seed=draw(st.integers(0, 2**32 - 1)))
 
 
-def grads(fn, q, k, v, r):
+def grads(fn, q, k, v, r, mask=None):
+    """(out, dq, dk, dv) of sum(fn(q, k, v, mask) * r), and d mask for a float mask."""
     q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
-    out = fn(q, k, v)
+    float_mask = mask is not None and mask.is_floating_point()
+    if float_mask:
+        mask = mask.clone().requires_grad_(True)
+    out = fn(q, k, v, mask)
     (out * r).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    return (out.detach(), q.grad, k.grad, v.grad) + ((mask.grad,) if float_mask else ())
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
@@ -43,17 +48,21 @@ def test_gradients_match_torch_autograd(c):
         mask[:, 0] = True  # every row sees key 0 (also under causal): no NaN rows in torch's gradients
     elif c["mask"] == "float":
         mask = torch.from_numpy(normal(rng, (c["hq"], c["L"], c["S"])))
-    kw = dict(attn_mask=mask, is_causal=c["causal"], scale=c["scale"], enable_gqa=c["gqa"])
-    got = grads(lambda a, b, d: mha.scaled_dot_product_attention(a, b, d, **kw), q, k, v, r)
-    want = grads(lambda a, b, d: torch_sdpa(a, b, d, mask, c["causal"], c["scale"], c["gqa"]),
-                 q.double(), k.double(), v.double(), r.double())
-    want32 = grads(lambda a, b, d: torch_sdpa(a, b, d, mask, c["causal"], c["scale"], c["gqa"], dtype=torch.float32),
-                   q, k, v, r)
+    kw = dict(is_causal=c["causal"], scale=c["scale"], enable_gqa=c["gqa"])
+    got = grads(lambda a, b, d, m: mha.scaled_dot_product_attention(a, b, d, attn_mask=m, **kw), q, k, v, r, mask)
+    want = grads(lambda a, b, d, m: torch_sdpa(a, b, d, m, c["causal"], c["scale"], c["gqa"]),
+                 q.double(), k.double(), v.double(), r.double(), None if mask is None else
+                 mask if mask.dtype == torch.bool else mask.double())
+    want32 = grads(lambda a, b, d, m: torch_sdpa(a, b, d, m, c["causal"], c["scale"], c["gqa"], dtype=torch.float32),
+                   q, k, v, r, mask)
     # dq and dk are exactly 0 with one visible key: errors on the scale of all three gradients;
-    # the output on the scale of the values (conftest.py).
-    scale = max(float(w.abs().max()) for w in want[1:])
-    for name, g, w, w32 in zip(("out", "dq", "dk", "dv"), got, want, want32):
+    # the output on the scale of the values (conftest.py); the mask's, P (dP - D), on its own or
+    # on that of D = dO . O where it vanishes (one visible key: exactly 0 up to rounding).
+    scale = max(float(w.abs().max()) for w in want[1:4])
+    for name, g, w, w32 in zip(("out", "dq", "dk", "dv", "dmask"), got, want, want32):
         s = scale if name != "out" else max(float(w.abs().max()), float(v.abs().max()) if v.numel() else 0.0, 1e-30)
+        if name == "dmask":
+            s = max(float(w.abs().max()), float((r.double() * want[0]).sum(-1).abs().max()), 1e-30)
         err = float((g.double() - w).abs().max()) / s
         ref = float((w32.double() - w).abs().max()) / s
         record(f"autograd {name}", err)
@@ -83,11 +92,55 @@ def test_dropout_is_regenerated_in_the_backward():
     assert rel_error(v.grad.numpy(), want_dv.numpy()) <= BOUND
 
 
-def test_attn_mask_requiring_grad_is_an_error():
-    q = torch.randn(1, 1, 3, 4, requires_grad=True)
-    bias = torch.zeros(3, 3, requires_grad=True)
-    with pytest.raises(mha.Error, match="attn_mask"):
-        mha.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+@pytest.mark.parametrize("shape", ["full", "heads", "rows", "keys", "spaced", "lead", "only-mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["fast", "reference"])
+def test_float_attn_mask_gradient_matches_torch(shape, dtype, backend):
+    """A float attn_mask that requires grad gets torch's gradient, summed over the dimensions it
+    broadcasts along: full (B, H, L, S), per head (H, L, S), (L, 1), (1, S), a permuted one with
+    keys spaced apart (T5's), batch dimensions before the heads, and the mask as the only input
+    needing grad. GQA and causal with L > S; a 16-bit mask in the 16-bit case. Against torch
+    float64 autograd: within 2x torch's own error in the dtype plus BOUND (float32) or the
+    dtype's unit roundoff (bfloat16, as test_half.py)."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Hk, L, S, E = 2, 4, 2, 9, 7, 8
+    lead = (3,) if shape == "lead" else ()
+    q = torch.randn(lead + (B, H, L, E), generator=g)
+    k, v = (torch.randn(lead + (B, Hk, S, E), generator=g) for _ in range(2))
+    r = torch.randn(lead + (B, H, L, E), generator=g)
+    mask = {"full": lambda: torch.randn(B, H, L, S, generator=g), "heads": lambda: torch.randn(H, L, S, generator=g),
+            "rows": lambda: torch.randn(L, 1, generator=g), "keys": lambda: torch.randn(1, S, generator=g),
+            "spaced": lambda: torch.randn(L, S, H, generator=g).permute(2, 0, 1),
+            "lead": lambda: torch.randn(3, 1, H, 1, S, generator=g),
+            "only-mask": lambda: torch.randn(H, L, S, generator=g)}[shape]()
+    fixed = shape == "only-mask"  # q, k, v constants: the mask alone puts the call in autograd
+
+    def run(fn, dt, m):
+        xs = [x.detach().to(dt).requires_grad_(not fixed) for x in (q, k, v)]
+        m = m.detach().to(dt if dt != torch.bfloat16 else dtype).requires_grad_(True)
+        out = fn(*xs, m)
+        (out.to(dt) * r.to(dt)).sum().backward()
+        return [x.grad for x in xs] + [m.grad, out.detach()]
+
+    got = run(lambda a, b, d, m: mha.scaled_dot_product_attention(a, b, d, attn_mask=m, is_causal=True, enable_gqa=True,
+                                                                  backend=backend), dtype, mask)
+    want = run(lambda a, b, d, m: torch_sdpa(a, b, d, m, True, None, True), torch.float64, mask)
+    ref = run(lambda a, b, d, m: torch_sdpa(a, b, d, m, True, None, True, dtype=dtype), dtype, mask)
+    assert got[3].shape == mask.shape and got[3].dtype == dtype
+    # The mask's gradient P (dP - D) also on the scale of D = dO . O: a per-row bias (L, 1) has
+    # none (softmax ignores a row's shift), only rounding.
+    drow = float((r.double() * want[4]).sum(-1).abs().max())
+    for name, gt, w, w32 in zip(("dq", "dk", "dv", "dmask"), got, want, ref):
+        if fixed and name != "dmask":
+            assert gt is None
+            continue
+        s = max(float(w.abs().max()), drow if name == "dmask" else 0.0, 1e-30)
+        err = float((gt.double() - w).abs().max()) / s
+        tol = float((w32.double() - w).abs().max()) / s
+        record(f"autograd {name} of a float mask ({dtype})", err)
+        floor = BOUND if dtype == torch.float32 else 2.0**-8
+        assert err <= 2 * tol + floor, f"{name}: mha error {err:.3e}, torch {dtype} error {tol:.3e}"
+    assert got[3].abs().sum() > 0
 
 
 class TinyAttentionModel(torch.nn.Module):

@@ -252,3 +252,43 @@ def test_the_small_call_path_hands_on_what_it_does_not_take(rng, monkeypatch, vi
     got = mha.scaled_dot_product_attention(*args, is_causal=True)
     assert prepared, "the small call path took a view it reads wrongly"
     np.testing.assert_array_equal(np.asarray(got.detach() if view == "parameter" else got), want)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("mask_dtype", ["bool", "float"])
+@pytest.mark.parametrize("path", ["small call", "general"])
+def test_a_mask_with_spaced_keys_is_copied_once_keeping_its_broadcast(rng, monkeypatch, kind, mask_dtype, path):
+    """A mask whose keys are spaced apart (T5's position bias is a permuted embedding, keys H
+    apart) is copied to dense key rows before the kernels read it key by key; its broadcast
+    (stride-0) dimensions stay broadcast, so no (B, H, Tq, Tk) array is made. Same bits as the
+    same mask made contiguous, on both paths."""
+    from mha import _arrays, functional
+    B, H, L, S = 3, 4, 5, 7
+    q, k, v = normal(rng, (B, H, L, 8)), normal(rng, (B, H, S, 8)), normal(rng, (B, H, S, 8))
+    table = normal(rng, (L, S, H)) if mask_dtype == "float" else (rng.random((L, S, H)) < 0.7)
+    table[:, 0] = 1  # every row keeps a key
+    spaced = table.transpose(2, 0, 1)[None]  # (1, H, L, S), keys H apart
+    if kind == "torch":
+        q, k, v, spaced = (torch.from_numpy(np.asarray(x)) for x in (q, k, v, spaced))
+        spaced = spaced.expand(B, H, L, S)  # and a broadcast batch dimension (stride 0)
+    else:
+        spaced = np.broadcast_to(spaced, (B, H, L, S))
+    dense = np.ascontiguousarray(np.asarray(spaced))
+    extra = {} if path == "small call" else {"dropout_p": 0.0, "key_lengths": [S] * B}
+    copies = []
+    real = _arrays.keys_dense
+
+    def spy(x):
+        y = real(x)
+        if y is not x:
+            copies.append(y)
+        return y
+
+    monkeypatch.setattr(_arrays, "keys_dense", spy)
+    got = mha.scaled_dot_product_attention(q, k, v, attn_mask=spaced, **extra)
+    assert len(copies) == 1
+    strides = copies[0].stride() if kind == "torch" else tuple(s // copies[0].itemsize for s in copies[0].strides)
+    assert strides[0] == 0 and strides[-1] == 1, strides
+    monkeypatch.setattr(_arrays, "keys_dense", real)
+    want = mha.scaled_dot_product_attention(*(np.asarray(x) for x in (q, k, v)), attn_mask=dense, **extra)
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -326,6 +326,14 @@ def test_position_bias_is_added_to_the_scores(mask_kind):
     for bad in (torch.tensor(1.0), bias[None]):
         with pytest.raises(mha.Error, match=r"position_bias must be \(\.\.\., Tq, Tk\)"):
             mt.attention_forward(Attention(), q, k, v, mask, position_bias=bad)
+    # A bias (or a mask beside one) that does not broadcast to (B, Hq, Tq, Tk) = (2, 4, 5, 7):
+    # named, before torch.where or + combines them (torch's RuntimeError) or sdpa names attn_bias.
+    for bad in (bias[:, :2], bias[..., :5], torch.zeros(3, 4, 5, 7)):
+        with pytest.raises(mha.Error, match=r"position_bias \(.*\) does not broadcast to the scores"):
+            mt.attention_forward(Attention(), q, k, v, mask, position_bias=bad)
+    if mask is not None:
+        with pytest.raises(mha.Error, match=r"attention_mask \(2, 1, 5, 5\) does not broadcast"):
+            mt.attention_forward(Attention(), q, k, v, mask[..., :5], position_bias=bias)
 
 
 def _t5(implementation, dtype=torch.float32):
@@ -358,9 +366,10 @@ def test_t5_runs_on_mha_against_eager_float64():
     assert err_mha <= 2 * err_base + 1e-6, (err_mha, err_base)
 
 
-def test_t5_training_falls_back_for_the_position_bias_gradient():
-    """In training the position bias is learned: mha has no gradient for it, so those calls run
-    transformers' sdpa (one warning) and the bias's gradient equals sdpa's."""
+def test_t5_training_runs_on_mha_with_the_position_bias_gradient():
+    """In training the position bias is learned: mha's backward gives its gradient (the
+    attn_mask's, summed over the batch it broadcasts along), so no call falls back, and the
+    gradients of the relative-attention-bias embedding and of a projection equal sdpa's."""
     ids, mask = _inputs(pad=(0, 7), left=False)
     dec = _inputs(length=12, pad=(0, 0), seed=2)[0]
     grads = {}
@@ -370,8 +379,11 @@ def test_t5_training_falls_back_for_the_position_bias_gradient():
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).last_hidden_state.square().sum().backward()
-        grads[implementation] = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
+        encoder, decoder = (m.block[0].layer[0].SelfAttention for m in (model.encoder, model.decoder))
+        grads[implementation] = [encoder.relative_attention_bias.weight.grad,
+                                 decoder.relative_attention_bias.weight.grad, encoder.q.weight.grad]
         if implementation == "mha":
-            assert sum("position_bias needs its gradient" in str(w.message) for w in record) == 1
-    assert grads["mha"].abs().max() > 0
-    torch.testing.assert_close(grads["mha"], grads["sdpa"], rtol=1e-4, atol=1e-5)
+            assert not [str(w.message) for w in record if "mha" in str(w.message)]
+    for got, want in zip(grads["mha"], grads["sdpa"]):
+        assert got.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

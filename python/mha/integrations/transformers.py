@@ -20,13 +20,11 @@ What the attention function does with what transformers passes (per layer and ca
   scaling, dropout (the model passes 0 in eval mode), softcap (Gemma 2), s_aux (gpt-oss sinks,
     trained with their gradient), position_bias (T5's relative bias, added to the scores as
     transformers' "sdpa" adds it: masked positions of a boolean mask stay out, a float mask adds
-    to it), sliding_window (in the mask already), output_attentions (the weights are computed
-    only when asked for).
+    to it; learned in training, its gradient comes from mha's backward), sliding_window (in the
+    mask already), output_attentions (the weights are computed only when asked for).
   float32, bfloat16 and float16 tensors; gradients for training through mha's backward kernel.
 What it cannot do falls back to transformers' "sdpa" (or "eager" where sdpa cannot either) with
-one warning per reason: float64 tensors, a `head_mask`, tensors not on the CPU, a
-`position_bias` that needs its gradient (T5 in training: mha's backward has no gradient for an
-additive mask; under `torch.no_grad()`, as `generate()` runs, T5 runs on mha). Other keyword
+one warning per reason: float64 tensors, a `head_mask`, tensors not on the CPU. Other keyword
 arguments (the model's flags, flash attention's packed-sequence offsets, which the mask already
 expresses) are ignored, as "sdpa" ignores them.
 Arguments of the wrong kind (a string for a number, a flag that is not True or False, a
@@ -76,8 +74,7 @@ def _fallback(reason, module, query, key, value, attention_mask, dropout, scalin
         if eager is None:  # sdpa would ignore s_aux silently or refuse softcap: say why instead
             raise Error(f"mha: {reason}, and {type(module).__module__} has no eager_attention_forward to run "
                         "softcap or sinks instead")
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        return eager(module, query, key, value, _additive_mask(attention_mask, query, key, causal),
+        return eager(module, query, key, value, _additive_mask(attention_mask, query, key, is_causal),
                      dropout=dropout, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
@@ -134,8 +131,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         reason = f"tensors on {query.device} are not supported (CPU only)"
     elif kwargs.get("head_mask") is not None:
         reason = "head_mask is not supported"
-    elif position_bias is not None and position_bias.requires_grad and torch.is_grad_enabled():
-        reason = "position_bias needs its gradient, which mha does not compute (T5 in training)"
     if reason:
         if position_bias is not None:
             kwargs["position_bias"] = position_bias
@@ -152,10 +147,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if position_bias.dtype not in (torch.float32, query.dtype):
             raise Error(f"{_NAME}: position_bias must be float32 or the query's dtype ({query.dtype}); got "
                         f"{position_bias.dtype}")
-        if position_bias.stride(-1) != 1:
-            # T5's bias is a permuted embedding, (1, H, Tq, Tk) with keys H apart: the kernels would
-            # gather it key by key (~20% of the call at Tq = Tk = 512); one copy is cheaper.
-            position_bias = position_bias.contiguous()
+        scores = (query.shape[0], query.shape[1], Tq, Tk)
+        for name, x in (("attention_mask", mask), ("position_bias", position_bias)):
+            if x is not None and any(n != 1 and n != m for n, m in zip(x.shape[::-1], scores[::-1])):
+                raise Error(f"{_NAME}: {name} {tuple(x.shape)} does not broadcast to the scores (B, Hq, Tq, Tk) "
+                            f"= {scores}")
+        # T5's bias is a permuted embedding, keys H apart: scaled_dot_product_attention copies
+        # such a mask once to dense key rows (A.keys_dense).
         if mask is None:
             mask = position_bias  # with is_causal, the kernels mask the future (top-left) as sdpa does
         elif mask.dtype == torch.bool:

@@ -8,6 +8,7 @@
 //   P    = 2^((St - lse)·log2 e)                                from the forward's LSE
 //   dPt  = V_blk · dOtᵀ,  dP = dP_d ⊙ Z/(1-p)                   (Z: regenerated dropout keeps)
 //   dSt  = P ⊙ (dP - D_row),   D_row = rowsum(dO ⊙ O)           (computed once per task)
+//          (also the bias's gradient, if asked for: written out before the softcap's factor)
 //   dV_blk += P_dᵀ · dO,  dK_blk += dSᵀ · Q,  dQ_task += dS · K_blk
 // and dK = scale·dK_blk, dQ = scale·dQ_task at the end. dK and dV of a kv head sum over its G
 // query heads inside one task and dQ belongs to the task, so there are no atomics and the
@@ -17,6 +18,7 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_bwd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -145,6 +147,8 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   float* vstage = stage_v ? ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1)) : nullptr;
   float* qstage = kWide ? nullptr : ws.get<float>(Workspace::kQueryStage, mmax * D);
   float* capgrad = p.softcap > 0 ? ws.get<float>(Workspace::kBwdSoftcapGrad, kKeyBlock * mmax) : nullptr;
+  // The bias's gradient: dS before the softcap's factor (st itself when there is none).
+  float* score_grad = g.grad_scores && capgrad ? ws.get<float>(Workspace::kBwdScoreGrad, kKeyBlock * mmax) : st;
   float* dostage = kWide ? nullptr : ws.get<float>(Workspace::kBwdGradOutStage, mmax * std::max<size_t>(Dv, 1));
   std::fill(dq, dq + static_cast<size_t>(G * Tq) * Dp, 0.0f);
 
@@ -240,10 +244,23 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
         for (size_t rv = 0; rv < t.nvec; ++rv) {
           float* s = st + j * M + rv * N;
           const auto pr = hn::Load(d, s);
+          const auto unused = hn::Eq(pr, hn::Zero(d));
           auto ds = hn::Mul(pr, hn::Sub(hn::Load(d, dpt + j * M + rv * N), hn::Load(d, d_r + rv * N)));
-          if (capgrad) ds = hn::Mul(ds, hn::Load(d, capgrad + j * M + rv * N));
-          hn::Store(hn::IfThenZeroElse(hn::Eq(pr, hn::Zero(d)), ds), d, s);
+          if (capgrad) {
+            if (g.grad_scores) hn::Store(hn::IfThenZeroElse(unused, ds), d, score_grad + j * M + rv * N);
+            ds = hn::Mul(ds, hn::Load(d, capgrad + j * M + rv * N));
+          }
+          hn::Store(hn::IfThenZeroElse(unused, ds), d, s);
         }
+      if (g.grad_scores) {  // each (row, key) belongs to this task and this block: written once
+        const int64_t jn = std::min(k.n, p.kv_len - k.a);
+        for (size_t r = 0; r < M; ++r) {
+          if (!t.valid[r]) continue;
+          float* dst = g.grad_scores + b * g.grad_scores_stride[0] + t.head[r] * g.grad_scores_stride[1] +
+                       t.query[r] * g.grad_scores_stride[2] + k.a * g.grad_scores_stride[3];
+          for (int64_t j = 0; j < jn; ++j) dst[j * g.grad_scores_stride[3]] = score_grad[j * M + r];
+        }
+      }
       const size_t nv = static_cast<size_t>(k.nv), koff = static_cast<size_t>(k.a - jb);
       // dV[j] += Σ_r P_d[j][r] · dO[r];  dK[j] += Σ_r dS[j][r] · Q[r]   (x = r, a = j)
       Outer(d, pdt, 1, static_cast<int64_t>(M), dorows, Dvp, M, nv, Dvp, dv + koff * Dvp, Dvp);

@@ -83,6 +83,10 @@ void attention_bwd_ref_head(const AttentionParams& p, const AttentionGradParams&
       std::fill(dq.begin(), dq.end(), Acc(0));
       for (int64_t j = 0; j < Tk; ++j) {
         if (!contributes[j]) continue;
+        if (g.grad_scores) {
+          g.grad_scores[b * g.grad_scores_stride[0] + h * g.grad_scores_stride[1] + i * g.grad_scores_stride[2] +
+                        j * g.grad_scores_stride[3]] = static_cast<float>(prob[j] * (dprob[j] - Drow));
+        }
         const Acc ds = prob[j] * (dprob[j] - Drow) * cap_grad[j] * static_cast<Acc>(p.scale);
         for (int64_t d = 0; d < D; ++d) {
           dq[d] += ds * K(j, d);

@@ -4,6 +4,7 @@
 //   dP_d = dO · Vᵀ,  dP = dP_d ⊙ Z/(1 - p)   (Z: the forward's dropout keep decisions)
 //   D    = rowsum(dO ⊙ O) = Σ_j P_d,j dP_d,j
 //   dS   = P ⊙ (dP - D)                      (⊙ (1 - tanh²) with a softcap)
+//   dBias = P ⊙ (dP - D)                     (the gradient of the score the bias is added to)
 //   dsink = -P_sink · D                       (sinks: P_sink = exp(sink - lse))
 //   dQ   = scale · dS · K,  dK += scale · dSᵀ · Q,  dV += P_dᵀ · dO
 // accumulating in double. Masked keys and keys with a -inf score get dS = 0 (they never touch
@@ -26,6 +27,10 @@ struct AttentionGradParams {
   // Sinks (reference only): dL/d sink_h summed over the rows of batch b, at [b · Hq + h]. The op
   // sums over b; the fast path computes it from out, lse and dO instead.
   double* grad_sinks_by_batch = nullptr;
+  // Optional, (B, Hq, Tq, Tk): dL/d score for the score the bias is added to (after the softcap),
+  // P ⊙ (dP - D), at every element that counts; the kernels write nothing elsewhere, so the op
+  // zero-fills it first. Summed over the bias's broadcast dimensions by the op.
+  float* grad_scores = nullptr;  Strides4 grad_scores_stride{};
 };
 
 // Writes dQ for the query heads of kv head hk and dK, dV of (b, hk). Single-threaded.
