@@ -9,6 +9,9 @@ same model, same weights, same inputs, one process, 2 threads (torch's and mha's
   tokens, batch 8.
 - A T5-small encoder (d_model 512, 6 layers, 8 heads of 64, MLP 2048): a relative position bias
   added to every layer's scores; sequences/s at 128 and 512 tokens, batch 8.
+With --train, instead: training steps of BERT-base and the T5-small encoder (forward and backward
+of a batch of 8 x 256, every other sequence padded after 192 tokens, no optimizer step), where
+T5's learned position bias takes its gradient through mha's backward.
 In float32 and bfloat16 (the model cast with .to(dtype)). Random weights, no downloads. Each cell
 is the fastest of --repeats runs, the implementations taking turns within each repeat (neighbours
 on a shared machine only ever add time); "eager" skips 8192 tokens (its T x T weights per layer
@@ -22,7 +25,7 @@ And the fixed cost of one call (measured first): mha.scaled_dot_product_attentio
 against torch's SDPA, µs per call.
 
   python bench/transformers_e2e.py [--repeats 2] [--dtypes float32 bfloat16] [--json out.json] [--calls-only]
-                                   [--bound] [--models llama bert t5]
+                                   [--bound] [--models llama bert t5] [--train]
 """
 import argparse
 import json
@@ -82,11 +85,16 @@ def interleaved(model, impls, fn, repeats):
     return times
 
 
-def run(dtypes, repeats, bound=False, models=("llama", "bert", "t5")):
+def run(dtypes, repeats, bound=False, models=("llama", "bert", "t5"), train=False):
     rows = []
     g = torch.Generator().manual_seed(0)
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
+        if train:
+            for family in ("bert", "t5"):
+                if family in models:
+                    rows += run_training(family, dtype, dtype_name, repeats, g)
+            continue
         if "llama" in models:
             rows += run_llama(dtype, dtype_name, repeats, bound, g)
         for family in ("bert", "t5"):
@@ -152,6 +160,36 @@ def run_encoder(family, dtype, dtype_name, repeats, g):
     return rows
 
 
+def run_training(family, dtype, dtype_name, repeats, g):
+    """sequences/s of training steps (forward and backward of the output's mean square) on a batch
+    of 8 x 256, every other sequence padded after 192 tokens. A fallback warning is an error: the
+    step must run on the implementation named."""
+    import warnings
+
+    model = (bert if family == "bert" else t5)(dtype).train()
+    ids = torch.randint(1000, 30000, (8, 256), generator=g)
+    mask = torch.ones(8, 256, dtype=torch.long)
+    mask[1::2, 192:] = 0
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, attention_mask=mask).last_hidden_state.float().square().mean().backward()
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="mha:")
+        for impl in IMPLS:  # warm-up
+            model.set_attn_implementation(impl)
+            step()
+        times = interleaved(model, IMPLS, step, repeats)
+    rows = []
+    for impl in IMPLS:
+        rows.append(dict(model="bert-base" if family == "bert" else "t5-small encoder", dtype=dtype_name,
+                         case="train step 8 x 256", impl=impl, seconds=times[impl], rate=8 / times[impl],
+                         unit="sequences/s"))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def call_overhead():
     """µs per mha.scaled_dot_product_attention call on tiny inputs (the fixed cost decoding pays
     once per layer and token), numpy and torch, against torch's SDPA: the best of 5 runs of 5000."""
@@ -213,10 +251,11 @@ def main():
     ap.add_argument("--calls-only", action="store_true", help="only the per-call overhead table")
     ap.add_argument("--bound", action="store_true", help="prefill also without attention (the most it can gain)")
     ap.add_argument("--models", nargs="+", choices=("llama", "bert", "t5"), default=["llama", "bert", "t5"])
+    ap.add_argument("--train", action="store_true", help="training steps of the encoders instead (bert, t5)")
     a = ap.parse_args()
     torch.set_num_threads(THREADS)
     calls = call_overhead()
-    rows = run(a.dtypes, a.repeats, a.bound, a.models) if not a.calls_only else []
+    rows = run(a.dtypes, a.repeats, a.bound, a.models, a.train) if not a.calls_only else []
     print("| call | mha numpy | mha torch | torch sdpa |\n|---|---|---|---|")
     for name, c in calls:
         print(f"| {name} | {c['mha numpy']:.1f} µs | {c['mha torch']:.1f} µs | {c['torch sdpa']:.1f} µs |")

@@ -46,6 +46,8 @@ class Dropout {
     if (drop_all_) return false;
     return bits4(b, h, i, j >> 2)[j & 3] >= threshold_;
   }
+  // The key's two words, for kernels that run Philox on vectors of counters (the same bits).
+  uint32_t key(int word) const { return key_[word]; }
 
  private:
   float p_;

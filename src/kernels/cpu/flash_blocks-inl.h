@@ -350,20 +350,88 @@ inline void MaskBlock(DF d, const AttentionParams& p, const TaskRows& t, const K
   }
 }
 
-// Dropout on the probabilities of a block: kept ones scaled by 1/(1-p), others zeroed.
-inline void DropBlock(const AttentionParams& p, const Dropout& drop, const TaskRows& t, const KeyBlock& k, float* st) {
-  const int64_t jn = std::min(k.n, p.kv_len - k.a);  // k.a is a multiple of 4
+#if HWY_TARGET != HWY_SCALAR
+// hi:lo = a · m, 32 x 32 -> 64 bits per lane (even lanes, then odd ones moved down and back).
+template <class DU>
+HWY_INLINE void MulHiLo32(DU du, hn::Vec<DU> a, uint32_t m, hn::Vec<DU>& hi, hn::Vec<DU>& lo) {
+  const hn::RepartitionToWide<DU> dw;
+  const auto mv = hn::Set(du, m);
+  const auto even = hn::BitCast(du, hn::MulEven(a, mv));  // (lo, hi) of lanes 0, 2, ...
+  const auto odd = hn::BitCast(du, hn::MulEven(hn::BitCast(du, hn::ShiftRight<32>(hn::BitCast(dw, a))), mv));
+  lo = hn::OddEven(hn::BitCast(du, hn::ShiftLeft<32>(hn::BitCast(dw, odd))), even);
+  hi = hn::OddEven(odd, hn::BitCast(du, hn::ShiftRight<32>(hn::BitCast(dw, even))));
+}
+
+// Random123's Philox4x32-10 on a vector of counters (c0, c1, c2, c3) at once, in place: lane l
+// ends with the bits Dropout::bits4 gives for lane l's counter.
+template <class DU>
+HWY_INLINE void Philox4x32(DU du, hn::Vec<DU>& c0, hn::Vec<DU>& c1, hn::Vec<DU>& c2, hn::Vec<DU>& c3, uint32_t k0,
+                           uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;  // PHILOX_W32_0, _1
+    hn::Vec<DU> hi0, lo0, hi1, lo1;
+    MulHiLo32(du, c0, 0xD2511F53u, hi0, lo0);  // PHILOX_M4x32_0
+    MulHiLo32(du, c2, 0xCD9E8D57u, hi1, lo1);  // PHILOX_M4x32_1
+    c0 = hn::Xor(hn::Xor(hi1, c1), hn::Set(du, k0));
+    c2 = hn::Xor(hn::Xor(hi0, c3), hn::Set(du, k1));
+    c1 = lo1;
+    c3 = lo0;
+  }
+}
+#endif
+
+// Dropout on the probabilities of a block: kept ones scaled by 1/(1-p), others zeroed; the same
+// decisions on a second tile st2 if given (the backward's P and dP). Rows are in the lanes, so
+// Philox runs on a vector of rows' counters (j / 4, i, h, b) and one result covers four keys of
+// each; invalid rows get counters of 0 and are dropped or scaled like the rest (never read).
+inline void DropBlock(const AttentionParams& p, const Dropout& drop, const TaskRows& t, const KeyBlock& k, float* st,
+                      float* st2 = nullptr) {
+  const int64_t jn = std::min(k.n, p.kv_len - k.a);
+  if (jn <= 0) return;
+#if HWY_TARGET == HWY_SCALAR
   for (size_t r = 0; r < t.mpad; ++r) {
     if (!t.valid[r]) continue;
-    const int64_t h = t.head[r], i = t.query[r];
-    for (int64_t j = 0; j < jn; j += 4) {
-      const auto bits = drop.bits4(t.b, h, i, (k.a + j) >> 2);
-      for (int64_t x = 0; x < 4 && j + x < jn; ++x) {
-        float& s = st[(j + x) * t.mpad + r];
-        s = !drop.drop_all() && bits[x] >= drop.threshold() ? s * drop.scale() : 0.0f;
+    for (int64_t j = 0; j < jn; ++j) {
+      const bool kept = drop.keep(t.b, t.head[r], t.query[r], k.a + j);
+      for (float* tile : {st, st2}) {
+        if (tile) tile[j * t.mpad + r] = kept ? tile[j * t.mpad + r] * drop.scale() : 0.0f;
       }
     }
   }
+#else
+  const DF d;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const size_t N = hn::Lanes(d);
+  HWY_ALIGN uint32_t heads[hn::MaxLanes(du)], queries[hn::MaxLanes(du)];
+  const auto flip = hn::Set(du, 0x80000000u);  // unsigned >= as a signed compare
+  const auto threshold = hn::BitCast(di, hn::Xor(hn::Set(du, drop.threshold()), flip));
+  const auto scale = hn::Set(d, drop.scale());
+  const int64_t first = k.a >> 2, last = (k.a + jn - 1) >> 2;
+  for (size_t rv = 0; rv < t.nvec; ++rv) {
+    for (size_t l = 0; l < N; ++l) {
+      const size_t r = rv * N + l;
+      heads[l] = t.valid[r] ? static_cast<uint32_t>(t.head[r]) : 0;
+      queries[l] = t.valid[r] ? static_cast<uint32_t>(t.query[r]) : 0;
+    }
+    const auto h = hn::Load(du, heads), i = hn::Load(du, queries), b = hn::Set(du, static_cast<uint32_t>(t.b));
+    for (int64_t j4 = first; j4 <= last; ++j4) {
+      hn::Vec<decltype(du)> w[4] = {hn::Set(du, static_cast<uint32_t>(j4)), i, h, b};
+      Philox4x32(du, w[0], w[1], w[2], w[3], drop.key(0), drop.key(1));
+      for (int64_t x = 0; x < 4; ++x) {
+        const int64_t j = 4 * j4 + x - k.a;
+        if (j < 0 || j >= jn) continue;
+        const auto dropped = hn::Lt(hn::BitCast(di, hn::Xor(w[x], flip)), threshold);
+        const auto keep = hn::RebindMask(d, hn::Not(dropped));
+        for (float* tile : {st, st2}) {
+          if (!tile) continue;
+          float* s = tile + j * t.mpad + rv * N;
+          hn::Store(drop.drop_all() ? hn::Zero(d) : hn::IfThenElseZero(keep, hn::Mul(hn::Load(d, s), scale)), d, s);
+        }
+      }
+    }
+  }
+#endif
 }
 
 }  // namespace flash

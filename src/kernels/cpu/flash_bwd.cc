@@ -236,8 +236,7 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       // Dropout: P_d = P ⊙ Z/(1-p) for dV, dP = dP_d ⊙ Z/(1-p).
       std::copy(st, st + k.n * M, pdt);
       if (drop.active()) {
-        DropBlock(p, drop, t, k, pdt);
-        DropBlock(p, drop, t, k, dpt);
+        DropBlock(p, drop, t, k, pdt, dpt);
       }
       // dS = P ⊙ (dP - D), zero where P is 0 (masked keys never touch K or V).
       for (int64_t j = 0; j < k.n; ++j)
