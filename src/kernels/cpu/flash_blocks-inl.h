@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -236,6 +237,29 @@ struct KeyBlock {
   bool keep_partial;   // keep_mask varies inside the block
 };
 
+// Whether keep-mask bytes m[j · s] for j in [a, b) include a kept (nonzero) one and whether all
+// are kept, folded into some and all. Dense rows (s = 1) are searched with memchr, which reads
+// them a vector at a time: a padding mask is mostly kept, and a byte-by-byte scan of every
+// block's rows was ~20% of a masked forward at T = 512.
+inline void ScanKeep(const uint8_t* m, int64_t s, int64_t a, int64_t b, bool& some, bool& all) {
+  if (a >= b) return;
+  if (s != 1) {
+    for (int64_t j = a; j < b; ++j) {
+      const bool kept = m[j * s] != 0;
+      some |= kept;
+      all &= kept;
+    }
+    return;
+  }
+  const void* zero = std::memchr(m + a, 0, static_cast<size_t>(b - a));
+  if (zero == nullptr) {
+    some = true;
+    return;
+  }
+  all = false;
+  for (int64_t j = a; j < b && !some; ++j) some = m[j] != 0;  // stops at the first kept key
+}
+
 inline KeyBlock MakeBlock(const AttentionParams& p, const TaskRows& t, int64_t jb) {
   KeyBlock k;
   const int64_t ua = std::max<int64_t>(jb, t.keys.lo), ub = std::min<int64_t>(jb + kKeyBlock, t.keys.hi);
@@ -260,12 +284,9 @@ inline KeyBlock MakeBlock(const AttentionParams& p, const TaskRows& t, int64_t j
     for (int64_t r = 0; r < t.rows && (all_kept || !some_kept); ++r) {
       if (!t.valid[r]) continue;
       const uint8_t* m = p.keep + t.b * p.keep_stride[0] + t.head[r] * p.keep_stride[1] + t.query[r] * p.keep_stride[2];
-      for (int64_t j = j0; j < je; ++j) {
-        if (!(j >= t.lo[r] && j < t.hi[r]) && j >= t.sink_hi[r]) continue;
-        const bool kept = m[j * p.keep_stride[3]] != 0;
-        some_kept |= kept;
-        all_kept &= kept;
-      }
+      // The row's visible keys: its range [lo, hi) and the sink tokens [0, sink_hi).
+      ScanKeep(m, p.keep_stride[3], std::max(j0, t.lo[r]), std::min(je, t.hi[r]), some_kept, all_kept);
+      ScanKeep(m, p.keep_stride[3], j0, std::min(je, t.sink_hi[r]), some_kept, all_kept);
     }
     if (!some_kept) {
       k.kind = BlockKind::kSkip;
@@ -344,6 +365,9 @@ inline void MaskBlock(DF d, const AttentionParams& p, const TaskRows& t, const K
       if (!t.valid[r]) continue;
       const uint8_t* m = p.keep + t.b * p.keep_stride[0] + t.head[r] * p.keep_stride[1] +
                          t.query[r] * p.keep_stride[2] + k.a * p.keep_stride[3];
+      if (p.keep_stride[3] == 1 && std::memchr(m, 0, static_cast<size_t>(std::max<int64_t>(jn, 0))) == nullptr) {
+        continue;  // every key of the row kept
+      }
       for (int64_t j = 0; j < jn; ++j)
         if (m[j * p.keep_stride[3]] == 0) st[j * t.mpad + r] = kNegInf;
     }
