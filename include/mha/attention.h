@@ -145,7 +145,8 @@ using AttentionInputGrads = BasicAttentionInputGrads<float>;
 // computed; attn_bias's is when grad_attn_bias is given: the gradient of the score the bias is
 // added to, P ⊙ (dP − D) (zero where a key is masked or its score is −inf), summed over the
 // bias's broadcast dimensions in double in a fixed order. A bias that broadcasts takes a float32
-// (B, Hq, Tq, Tk) scratch buffer for that (a full-shape one is written in place).
+// (B, Hq, Tq, Tk) buffer for that: the calling thread's scratch, kept, up to 64 MiB, a new
+// allocation above (a full-shape bias's gradient is written in place).
 // bfloat16/float16: the gradients are accumulated in float32 and rounded once to T.
 void attention_backward(const AttentionInputs& in, const View<const float>& out, const View<const float>& lse,
                         const View<const float>& grad_out, const AttentionInputGrads& grads,

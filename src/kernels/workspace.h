@@ -33,6 +33,8 @@ class Workspace {
     kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,
     kBwdSoftcapGrad, kBwdScoreGrad,
+    // attention_backward (src/ops/attention_backward.cc): a broadcast bias's full gradient.
+    kBwdBiasGradFull,
     // Decoding (flash_decode.cc).
     kDecodeQuery, kDecodeKeyStage, kDecodeScores, kDecodeRescale, kDecodeSeen, kDecodeMerge,
     kDecodeOut, kDecodeMax, kDecodeSum, kDecodeQuerySums, kDecodeQueryWords, kDecodeQueryVectors, kDecodeWeightPairs,

@@ -112,6 +112,40 @@ void PackRows(const TaskRows& t, const T* src, const Strides4& st, int64_t width
 
 size_t RoundUp(size_t x, size_t n) { return (x + n - 1) / n * n; }
 
+// A block's bias gradient sg (keys × rows, rows in the lanes) into the (B, Hq, Tq, Tk) rows of
+// g.grad_scores: N keys × N rows transposed at a time when its keys are dense, else one by one.
+// Each (row, key) belongs to one task and one block, so each is written once.
+void WriteScoreGrads(DF d, const AttentionParams& p, const AttentionGradParams& g, const TaskRows& t,
+                     const KeyBlock& k, const float* sg) {
+  const size_t N = hn::Lanes(d), M = t.mpad;
+  const int64_t jn = std::min(k.n, p.kv_len - k.a);
+  const Strides4& s = g.grad_scores_stride;
+  if (s[3] != 1) {
+    for (size_t r = 0; r < M; ++r) {
+      if (!t.valid[r]) continue;
+      float* dst = g.grad_scores + t.b * s[0] + t.head[r] * s[1] + t.query[r] * s[2] + k.a * s[3];
+      for (int64_t j = 0; j < jn; ++j) dst[j * s[3]] = sg[j * M + r];
+    }
+    return;
+  }
+  static constexpr float kZeros[hn::MaxLanes(DF())] = {};
+  const float* keys[hn::MaxLanes(DF())];
+  HWY_ALIGN float block[hn::MaxLanes(DF()) * hn::MaxLanes(DF())];
+  for (size_t rv = 0; rv < t.nvec; ++rv) {
+    for (int64_t c0 = 0; c0 < jn; c0 += static_cast<int64_t>(N)) {
+      const size_t nk = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(N), jn - c0));
+      for (size_t x = 0; x < N; ++x) keys[x] = x < nk ? sg + (c0 + static_cast<int64_t>(x)) * M + rv * N : kZeros;
+      Transpose(d, keys, N, block, N, 1.0f);  // block[c · N + x]: key c0 + x of row rv · N + c
+      for (size_t c = 0; c < N; ++c) {
+        const size_t r = rv * N + c;
+        if (!t.valid[r]) continue;
+        float* dst = g.grad_scores + t.b * s[0] + t.head[r] * s[1] + t.query[r] * s[2] + k.a + c0;
+        std::copy(block + c * N, block + c * N + nk, dst);
+      }
+    }
+  }
+}
+
 // T: the element type of q, k, v, out, dO and the gradients. 16-bit ones are widened as they are
 // read (K and V a block at a time, into float32 scratch) and the gradients rounded once.
 template <typename T>
@@ -251,15 +285,7 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
           }
           hn::Store(hn::IfThenZeroElse(unused, ds), d, s);
         }
-      if (g.grad_scores) {  // each (row, key) belongs to this task and this block: written once
-        const int64_t jn = std::min(k.n, p.kv_len - k.a);
-        for (size_t r = 0; r < M; ++r) {
-          if (!t.valid[r]) continue;
-          float* dst = g.grad_scores + b * g.grad_scores_stride[0] + t.head[r] * g.grad_scores_stride[1] +
-                       t.query[r] * g.grad_scores_stride[2] + k.a * g.grad_scores_stride[3];
-          for (int64_t j = 0; j < jn; ++j) dst[j * g.grad_scores_stride[3]] = score_grad[j * M + r];
-        }
-      }
+      if (g.grad_scores) WriteScoreGrads(d, p, g, t, k, score_grad);
       const size_t nv = static_cast<size_t>(k.nv), koff = static_cast<size_t>(k.a - jb);
       // dV[j] += Σ_r P_d[j][r] · dO[r];  dK[j] += Σ_r dS[j][r] · Q[r]   (x = r, a = j)
       Outer(d, pdt, 1, static_cast<int64_t>(M), dorows, Dvp, M, nv, Dvp, dv + koff * Dvp, Dvp);
