@@ -406,6 +406,39 @@ TEST_P(BackwardTest, SameBitsForOneAndTwoThreads) {
   EXPECT_TRUE(bitwise_equal(a.dbias, b.dbias));
 }
 
+// The fast kernel writes zeros itself where no block computes a score (nothing zeroes the buffer
+// first), so a broadcast bias's full-gradient scratch, kept between calls, must not leak the last
+// call's values: a call without masks dirties it, then a causal call with a window of 40 and keys
+// 64–289 masked (whole 64-key blocks skipped, blocks whose rows' ranges start inside them) must
+// give exact zeros wherever a key is hidden, as it is in every batch the sum runs over.
+TEST_P(BackwardTest, BiasGradientIsZeroWhereNoBlockRunsAfterAnotherCall) {
+  Rng rng(base_seed() + 34);
+  Problem p;
+  p.B = 2;
+  p.Tq = p.Tk = 300;
+  p.D = p.Dv = 16;
+  p.make(rng);
+  p.bias = random_tensor(rng, {p.Hq, p.Tq, p.Tk});  // summed over the batch: the scratch path
+  p.in.attn_bias = p.bias.view<float>();
+  (void)run(p, Backend::kFast, 1);
+  p.opt.causal = Causal::kTopLeft;
+  p.opt.window = 40;
+  p.keep = Tensor(DType::kU8, {p.Tk});
+  for (int64_t j = 0; j < p.Tk; ++j) p.keep.data<uint8_t>()[j] = j < 64 || j >= 290;
+  p.in.keep_mask = p.keep.view<uint8_t>();
+  const Grads g = run(p, Backend::kFast, 1);
+  int64_t nonzero_visible = 0, nonzero_masked = 0, visible = 0;
+  for (int64_t h = 0; h < p.Hq; ++h)
+    for (int64_t i = 0; i < p.Tq; ++i)
+      for (int64_t j = 0; j < p.Tk; ++j) {
+        const bool masked = j > i || j <= i - 40 || !p.keep.data<uint8_t>()[j];
+        visible += !masked;
+        (masked ? nonzero_masked : nonzero_visible) += g.dbias.data<float>()[(h * p.Tq + i) * p.Tk + j] != 0.0f;
+      }
+  EXPECT_EQ(nonzero_masked, 0);
+  EXPECT_GT(nonzero_visible, visible / 2);  // the visible scores have their gradients
+}
+
 // grad_attn_bias: only with attn_bias, of its shape, its elements distinct, apart from it.
 TEST(AttentionBackward, BiasGradientArgumentsAreChecked) {
   Rng rng(base_seed() + 35);

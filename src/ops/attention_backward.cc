@@ -90,14 +90,17 @@ void sink_gradients(const kernels::AttentionParams& p, const void* grad_out, con
 }
 
 // The bias's gradient: its view, right-aligned against the scores (B, Hq, Tq, Tk), as 4-D
-// shape and strides (1 and 0 where it has no dimension).
+// shape and strides (1 and 0 where it has no dimension or has size 1), as the forward reads the
+// bias. Empty (all 1s, no data) when the view is not given.
 struct BiasGrad {
-  std::array<int64_t, 4> shape{1, 1, 1, 1}, stride{0, 0, 0, 0};
+  std::array<int64_t, 4> shape{1, 1, 1, 1};
+  kernels::Strides4 stride{0, 0, 0, 0};
   float* data = nullptr;
 
-  explicit BiasGrad(const View<float>& v) : data(v.data) {
-    const int shift = 4 - v.rank;
-    for (int i = 0; i < v.rank; ++i) shape[shift + i] = v.shape[i], stride[shift + i] = v.stride[i];
+  BiasGrad(const View<float>& v, const int64_t (&scores)[4]) : data(v.data) {
+    if (!v.given()) return;
+    stride = ops::broadcast_strides(View<const float>(v), scores, "grad_attn_bias");
+    for (int i = 0; i < v.rank; ++i) shape[4 - v.rank + i] = v.shape[i];
   }
   float& at(int64_t a, int64_t h, int64_t i, int64_t j) const {
     return data[a * stride[0] + h * stride[1] + i * stride[2] + j * stride[3]];
@@ -203,13 +206,16 @@ void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const
     // The bias's gradient: written by the kernels into the caller's view when it has the scores'
     // shape, else into a full float32 buffer summed down to it afterwards.
     const int64_t scores[4] = {p.batch, p.q_heads, p.q_len, p.kv_len};
-    const BiasGrad bias_grad(gb);
+    const BiasGrad bias_grad(gb, scores);
     Tensor full_tensor;
     float* full_grad = nullptr;
-    // (16-bit arguments on the reference backend recurse as float32, which does this.)
+    // The fast kernel writes every element, zeros included; the reference writes only the
+    // scores that contribute, so its buffer is zeroed first. (16-bit arguments on the reference
+    // backend recurse as float32, which does this.)
+    const bool zero_first = options.backend == Backend::kReference;
     if (gb.given() && (std::is_same_v<T, float> || options.backend != Backend::kReference)) {
       if (bias_grad.shape == std::array<int64_t, 4>{scores[0], scores[1], scores[2], scores[3]}) {
-        fill_zero(bias_grad, n);
+        if (zero_first) fill_zero(bias_grad, n);
         g.grad_scores = bias_grad.data;
         g.grad_scores_stride = bias_grad.stride;
       } else {
@@ -218,8 +224,7 @@ void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const
         if (count <= kKeptBiasGradBytes / static_cast<int64_t>(sizeof(float))) {
           full_grad = kernels::Workspace::local().get<float>(kernels::Workspace::kBwdBiasGradFull,
                                                              static_cast<size_t>(count));
-          const BiasGrad full(View<float>(full_grad, {scores[0], scores[1], scores[2], scores[3]}));
-          fill_zero(full, n);
+          if (zero_first) fill_zero(BiasGrad(View<float>(full_grad, {scores[0], scores[1], scores[2], scores[3]}), scores), n);
         } else {
           full_tensor = Tensor(DType::kF32, {scores[0], scores[1], scores[2], scores[3]});  // zero-filled
           full_grad = full_tensor.data<float>();

@@ -146,6 +146,18 @@ void WriteScoreGrads(DF d, const AttentionParams& p, const AttentionGradParams& 
   }
 }
 
+// Zeros into g.grad_scores for keys [a, a + n) of the task's rows: the (row, key) pairs that no
+// block computes (skipped blocks, keys of a block outside its rows' ranges). With these and
+// WriteScoreGrads every element is written once, and the caller zeroes nothing beforehand.
+void ZeroScoreGrads(const AttentionGradParams& g, const TaskRows& t, int64_t a, int64_t n) {
+  const Strides4& s = g.grad_scores_stride;
+  for (size_t r = 0; r < t.mpad && n > 0; ++r) {
+    if (!t.valid[r]) continue;
+    float* dst = g.grad_scores + t.b * s[0] + t.head[r] * s[1] + t.query[r] * s[2] + a * s[3];
+    for (int64_t j = 0; j < n; ++j) dst[j * s[3]] = 0.0f;
+  }
+}
+
 // T: the element type of q, k, v, out, dO and the gradients. 16-bit ones are widened as they are
 // read (K and V a block at a time, into float32 scratch) and the gradients rounded once.
 template <typename T>
@@ -227,9 +239,21 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
     bool touched = false;
     for (int64_t qb = 0; qb < plan.q_blocks; ++qb) {
       const TaskRows t = MakeRows(p, plan, b, hk, qb, N, ws);
-      if (t.keys.hi <= jb || t.keys.lo >= jb + kKeyBlock || t.keys.hi <= t.keys.lo) continue;
+      const int64_t block_end = jb + static_cast<int64_t>(nk);
+      if (t.keys.hi <= jb || t.keys.lo >= jb + kKeyBlock || t.keys.hi <= t.keys.lo) {
+        if (g.grad_scores) ZeroScoreGrads(g, t, jb, block_end - jb);
+        continue;
+      }
       const KeyBlock k = MakeBlock(p, t, jb);
-      if (k.kind == BlockKind::kSkip) continue;
+      if (k.kind == BlockKind::kSkip) {
+        if (g.grad_scores) ZeroScoreGrads(g, t, jb, block_end - jb);
+        continue;
+      }
+      if (g.grad_scores) {  // the keys before and after those WriteScoreGrads writes
+        const int64_t written_end = k.a + std::min(k.n, p.kv_len - k.a);
+        ZeroScoreGrads(g, t, jb, k.a - jb);
+        ZeroScoreGrads(g, t, written_end, block_end - written_end);
+      }
       touched = true;
       const size_t M = t.mpad;
       PackTransposed(d, t, qsrc, p.q_stride, p.head_dim_qk, p.scale, qt, qstage);
