@@ -224,7 +224,8 @@ void backward(const BasicAttentionInputs<T>& in, const View<const T>& out, const
         if (count <= kKeptBiasGradBytes / static_cast<int64_t>(sizeof(float))) {
           full_grad = kernels::Workspace::local().get<float>(kernels::Workspace::kBwdBiasGradFull,
                                                              static_cast<size_t>(count));
-          if (zero_first) fill_zero(BiasGrad(View<float>(full_grad, {scores[0], scores[1], scores[2], scores[3]}), scores), n);
+          const View<float> full(full_grad, {scores[0], scores[1], scores[2], scores[3]});
+          if (zero_first) fill_zero(BiasGrad(full, scores), n);
         } else {
           full_tensor = Tensor(DType::kF32, {scores[0], scores[1], scores[2], scores[3]});  // zero-filled
           full_grad = full_tensor.data<float>();
