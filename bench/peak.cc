@@ -10,6 +10,8 @@
 #endif
 
 #include "bench/suite.h"
+#include "kernels/cpu/amx_config.h"
+#include "kernels/cpu/flash.h"
 
 namespace mha::bench {
 namespace {
@@ -61,13 +63,43 @@ MHA_PEAK_LOOP("avx512f,avx512bf16") float bf16_loop_avx512(long iters) {
   for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
   return _mm512_reduce_add_ps(s);
 }
+// TDPBF16PS: one tile product adds 16 × 16 dot products of 32 bfloat16 pairs, 16·16·32·2 flops.
+// Four independent result tiles (0-3) against two left (4, 5) and two right (6, 7) operands,
+// the way the forward's AmxBlocks runs them. The tile configuration is per thread.
+MHA_PEAK_LOOP("amx-tile,amx-bf16") float amx_loop(long iters) {
+  kernels::AmxTileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&config) : "memory");  // as in flash_amx-inl.h: ldtilecfg reads it
+  _tile_loadconfig(&config);
+  alignas(64) static const uint16_t kOperand[16 * 32] = {};
+  _tile_loadd(4, kOperand, 64);
+  _tile_loadd(5, kOperand, 64);
+  _tile_loadd(6, kOperand, 64);
+  _tile_loadd(7, kOperand, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (long it = 0; it < iters; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float out[16 * 16];
+  _tile_stored(0, out, 64);
+  _tile_release();
+  return out[0];
+}
 #undef MHA_PEAK_LOOP
 #endif
 
 // The best of several ~0.1 s runs of `loop` on every thread: on a shared VM a run can lose a
 // core to the hypervisor, which would understate the peak (and overstate every % of it).
-double best_rate(float (*loop)(long), double flops_per_iter, int threads) {
-  const long iters = 50'000'000;
+double best_rate(float (*loop)(long), double flops_per_iter, int threads, long iters = 50'000'000) {
   double best = 0;
   for (int rep = 0; rep < 7; ++rep) {
     float sink = 0;
@@ -86,6 +118,14 @@ double best_rate(float (*loop)(long), double flops_per_iter, int threads) {
 double measure_bf16_peak_gflops(int threads) {
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx512bf16")) return best_rate(bf16_loop_avx512, 4.0 * 16 * kChains, threads);
+#endif
+  return 0.0;
+}
+
+double measure_amx_bf16_peak_gflops(int threads) {
+#if defined(__x86_64__)
+  // forward_amx_bf16() asks Linux for the tile state (once per process) where the CPU has AMX.
+  if (kernels::forward_amx_bf16()) return best_rate(amx_loop, 4.0 * 16 * 16 * 32 * 2, threads, 1'000'000);
 #endif
   return 0.0;
 }

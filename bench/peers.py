@@ -276,7 +276,8 @@ def decode_table(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peak", type=float, required=True, help="fp32 FMA peak in GFLOP/s (mha bench --peak)")
-    parser.add_argument("--bf16-peak", type=float, default=None, help="bf16 dot-product peak in GFLOP/s")
+    parser.add_argument("--bf16-peak", type=float, default=None,
+                        help="bf16 peak in GFLOP/s: AMX tile products where the CPU has them, else vdpbf16ps")
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--markdown", default=None, help="also write the table here")
     parser.add_argument("--json", default=None, help="also write GFLOP/s per shape and column here (plot_peers.py)")

@@ -28,7 +28,8 @@ def main():
         ax.bar(xs, ys, width, label=col, color=f"C{i}", hatch=hatch, edgecolor="white", linewidth=0.3)
     ax.axhline(data["peak"], color="gray", lw=0.8, ls=":", label="fp32 FMA peak (measured)")
     if data.get("bf16_peak"):
-        ax.axhline(data["bf16_peak"], color="gray", lw=0.8, ls="--", label="bf16 vdpbf16ps peak (measured)")
+        ax.axhline(data["bf16_peak"], color="gray", lw=0.8, ls="--",
+                   label="bf16 peak (measured: AMX tiles, else vdpbf16ps)")
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["shape"] for r in rows])
     ax.set_xlabel("shape (B, H, T, D)")

@@ -72,6 +72,9 @@ double time_calls(const std::function<void()>& f, double seconds);
 double measure_peak_gflops(int threads);
 // The bf16 dot-product (vdpbf16ps) peak, measured the same way; 0 without AVX512-BF16.
 double measure_bf16_peak_gflops(int threads);
+// The AMX bfloat16 tile-product (TDPBF16PS) peak, measured the same way; 0 without AMX-BF16 or
+// where forward_amx_bf16() is off (no tile state granted).
+double measure_amx_bf16_peak_gflops(int threads);
 
 // STREAM-like memory bandwidth in GB/s of `threads` threads over 256 MiB arrays: a read-only
 // sweep (what a decoding step does) and the triad a[i] = b[i] + s·c[i] (3 arrays counted).

@@ -218,13 +218,18 @@ void check(const Problem& p) {
         }
   const double bias_max = p.bias.defined() ? finite_max_abs(p.bias) : 0.0;
   const double lse_floor = (2 * std::sqrt(static_cast<double>(p.D)) * dots + bias_max + 8 + 2 * lse_max) * kU;
-  expect_bound(fast.out, ref.out, plain32.out, u16, 4 * kU, "out");
+  // Where the forward's AMX tiles run (bfloat16, head dims they take), P is rounded to bfloat16
+  // for P·V: a row's output moves by at most (u16/2)·max|v| more (docs/numerics.md).
+  const bool tiles = p.dtype == DType::kBF16 && kernels::forward_amx_bf16() && p.D % 32 == 0 && p.Dv % 16 == 0;
+  const double p_rounding = tiles ? u16 / 2 * finite_max_abs(p.v32) / std::max(finite_max_abs(ref.out), 1e-30) : 0.0;
+  expect_bound(fast.out, ref.out, plain32.out, u16, 4 * kU + p_rounding, "out");
   expect_bound(fast.lse, ref.lse, plain32.lse, 0.0, std::max(4 * kU, lse_floor / lse_max), "lse");
   if (p.weights_rank) expect_bound(fast.weights, ref.weights, plain32.weights, u16, 4 * kU, "weights");
   // The fast 16-bit path widens its inputs exactly and runs the float32 tiles: its results are
   // the float32 fast path's on the widened inputs, rounded once (round to nearest even). Not so
-  // the decode kernel's bfloat16 keys with bfloat16 dot products (other sums, the scale applied
-  // after them; the bound above holds them): the bits are checked with the dot products off.
+  // the decode kernel's bfloat16 keys with bfloat16 dot products, nor the forward's AMX tiles
+  // (other sums, the scale applied after them, P rounded; the bound above holds them): the bits
+  // are checked with the dot products off, which turns both off.
   const Result widened = run_dots_off(p);
   Result fast32 = alloc(p, DType::kF32);
   AttentionOptions fo = p.opt;
@@ -557,6 +562,113 @@ TEST(HalfDecode, Bf16DotScoresStayWithinFloat32Sums) {
     kernels::allow_decode_amx(amx);
     expect_bf16_dots_near_float_path(base_seed() + 130);
   }
+}
+
+// The bfloat16 forward with AMX tile products (flash_amx-inl.h) within check's bound of the
+// float64 reference, where the CPU has them, on the shapes its tiles cut: head dims of 1 … 8
+// tiles of 32 channels, value dims of 1 … 16 tiles of 16 columns (odd counts leave the 2 × 2
+// blocks' halves), row counts leaving an odd row tile (G · queries not a multiple of 32), key
+// counts around 16, 32 and the 64-key block (the last tile's rows past Tk staged, probabilities
+// past the block's keys zeroed), (B, T, H, D) strides, masks, a bias, windows with sink tokens,
+// softcap, dropout and weights. check() also runs the float32 tiles (dot products off) for
+// their exact bits. The tile path must be the one that ran: its P, rounded to bfloat16 for the
+// second product, moves the output's bits in most problems.
+TEST(HalfAmx, ForwardTilesStayWithinTheBound) {
+  if (!kernels::forward_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 here (or no tile state granted): it is not run";
+  const RestoreKernelSwitches restore;
+  Rng rng(base_seed() + 140);
+  int problems = 0, moved = 0;
+  auto run = [&](Problem& p) {
+    p.dtype = DType::kBF16;
+    p.make(rng);
+    const std::vector<int64_t> full = {p.B, p.Hq, p.Tq, p.Tk};
+    if (rng.coin(0.3)) p.keep = random_mask(rng, broadcast_shape(rng, full), rng.coin(0.5) ? 0.9 : 0.3);
+    if (rng.coin(0.3)) p.bias = random_tensor(rng, broadcast_shape(rng, full));
+    if (rng.coin(0.2)) p.lengths = random_lengths(rng, p.B, p.Tk);
+    check(p);
+    kernels::allow_forward_amx(false);
+    const Result tiles_off = run_dtype(p, Backend::kFast);
+    kernels::allow_forward_amx(true);
+    const Result tiles = run_dtype(p, Backend::kFast);
+    ++problems;
+    moved += !bitwise_equal(tiles.out, tiles_off.out);
+  };
+  for (int64_t D : {32, 64, 96, 128, 256}) {
+    for (int64_t Dv : {16, 48, 64, 80, 256}) {
+      Problem p;
+      p.Hkv = 2;
+      p.Hq = 2 * rng.range(1, 5);
+      p.Tq = rng.range(1, 80);
+      p.Tk = rng.range(1, 200);
+      p.D = D;
+      p.Dv = Dv;
+      p.bthd = rng.coin(0.5);
+      p.opt.causal = static_cast<Causal>(rng.range(0, 2));
+      run(p);
+    }
+  }
+  for (int64_t Tk : {1, 15, 16, 17, 31, 33, 63, 64, 65, 100, 129, 257}) {
+    Problem p;
+    p.B = 2;
+    p.Hkv = 1;
+    p.Hq = 3;
+    p.Tq = 37;
+    p.Tk = Tk;
+    p.D = 64;
+    p.Dv = 64;
+    p.opt.causal = Tk % 2 ? Causal::kBottomRight : Causal::kNone;
+    if (Tk > 100) p.opt.window = 40, p.opt.sink_tokens = 4;
+    if (Tk == 65) p.opt.softcap = 5.0f;
+    if (Tk == 129) p.opt.dropout_p = 0.25f, p.opt.dropout_seed = rng.next();
+    p.weights_rank = Tk == 100 ? 4 : Tk == 257 ? 3 : 0;
+    run(p);
+  }
+  EXPECT_GE(moved, problems / 2) << "the tile path did not run";
+}
+
+// Where q·k passes the float range but (q·scale)·k does not (a small explicit scale), the
+// tile sums are infinite: those scores are taken as the float path takes them (finite), and an
+// infinite key entry still gives that key infinite or NaN scores, as on the float path.
+TEST(HalfAmx, ScoresPastTheFloatRangeTakeTheFloatPath) {
+  if (!kernels::forward_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 here (or no tile state granted): it is not run";
+  const RestoreKernelSwitches restore;
+  Rng rng(base_seed() + 141);
+  Problem big;
+  big.dtype = DType::kBF16;
+  big.Hkv = 1;
+  big.Hq = 2;
+  big.Tq = 20;
+  big.Tk = 40;
+  big.D = big.Dv = 64;
+  big.opt.scale = 1e-30f;
+  big.make(rng);
+  for (int64_t i = 0; i < big.q16.numel(); ++i) big.q16.data<bfloat16>()[i] = to_bfloat16(i % 2 ? 1e19f : -1e19f);
+  for (int64_t i = 0; i < big.k16.numel(); ++i) big.k16.data<bfloat16>()[i] = to_bfloat16(i % 3 ? 1e19f : -1e19f);
+  big.q32 = big.q16.to_f32();
+  big.k32 = big.k16.to_f32();
+  const Result tiles = run_dtype(big, Backend::kFast);
+  for (int64_t i = 0; i < tiles.lse.numel(); ++i) EXPECT_TRUE(std::isfinite(tiles.lse.data<float>()[i])) << i;
+  check(big);
+  Problem inf;
+  inf.dtype = DType::kBF16;
+  inf.Hkv = 1;
+  inf.Hq = 2;
+  inf.Tq = 20;
+  inf.Tk = 40;
+  inf.D = inf.Dv = 64;
+  inf.make(rng);
+  inf.k16.data<bfloat16>()[7 * 64 + 3] = to_bfloat16(std::numeric_limits<float>::infinity());
+  inf.k32 = inf.k16.to_f32();
+  kernels::allow_forward_amx(false);
+  const Result off = run_dtype(inf, Backend::kFast);
+  kernels::allow_forward_amx(true);
+  const Result on = run_dtype(inf, Backend::kFast);
+  for (int64_t i = 0; i < on.lse.numel(); ++i) {
+    const float a = on.lse.data<float>()[i], b = off.lse.data<float>()[i];
+    EXPECT_EQ(std::isnan(a), std::isnan(b)) << i;
+    EXPECT_EQ(std::isinf(a), std::isinf(b)) << i;
+  }
+  check(inf);
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, HalfTest,

@@ -21,6 +21,7 @@ void restore_kernel_switches() {
   kernels::allow_decode_avx512_vnni(true);
   kernels::allow_decode_byte_values(true);
   kernels::allow_decode_amx(true);
+  kernels::allow_forward_amx(true);
 }
 
 bool int8_values_rounded() { return int8_values_rounded(kernels::simd_targets().front()); }

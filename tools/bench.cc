@@ -19,6 +19,9 @@ int run_bench(const BenchArgs& args) {
     const double bf16 = std::max(bench::measure_bf16_peak_gflops(o.threads), bench::measure_bf16_peak_gflops(o.threads));
     std::printf("fp32 FMA peak: %.1f GFLOP/s on %d threads\n", peak, o.threads);
     std::printf("bf16 dot-product peak: %.1f GFLOP/s on %d threads (0: no AVX512-BF16)\n", bf16, o.threads);
+    const double amx = std::max(bench::measure_amx_bf16_peak_gflops(o.threads),
+                                bench::measure_amx_bf16_peak_gflops(o.threads));
+    std::printf("bf16 AMX tile peak: %.1f GFLOP/s on %d threads (0: no AMX-BF16 or no tile state)\n", amx, o.threads);
     return 0;
   }
   if (args.dtypes) {

@@ -29,6 +29,10 @@ class Workspace {
     // 16-bit inputs widened to float32 (flash_blocks-inl.h StageRows / PackQueries): the task's
     // query rows, and the key and value rows of one block.
     kQueryStage, kKeyStage, kValueStage,
+    // The bfloat16 forward with AMX tiles (flash_amx-inl.h): the task's query words, a block's
+    // probabilities in key pairs, its values transposed, and its key rows where a tile would read
+    // past the last.
+    kAmxQueryPairs, kAmxProbPairs, kAmxValueT, kAmxKeyStage,
     // Backward (flash_bwd.cc).
     kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,

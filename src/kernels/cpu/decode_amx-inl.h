@@ -20,6 +20,7 @@
 #include <limits>
 
 #include "hwy/highway.h"
+#include "kernels/cpu/amx_config.h"
 #include "kernels/cpu/decode_kv-inl.h"
 #include "kernels/cpu/decode_quant-inl.h"
 #include "kernels/cpu/flash.h"
@@ -37,15 +38,6 @@ namespace decode {
 // 128 (AmxDepth).
 constexpr size_t kAmxMaxDepth = 128;
 constexpr bool AmxDepth(size_t depth) { return depth % 32 == 0 && depth > 0 && depth <= kAmxMaxDepth; }
-
-// The tile configuration (palette 1): a tile's rows and bytes per row.
-struct alignas(64) AmxTileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Holds the tile state for one chunk: loads the configuration for R ≤ 16 rows and the query's
 // tiles (depth / 32 of them) from QueryBf16's words (row r's dword c at qw[r·ldw + c], channels

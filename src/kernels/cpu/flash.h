@@ -49,6 +49,13 @@ void allow_decode_avx512_vnni(bool allow);
 // both paths so).
 bool decode_amx_bf16();
 void allow_decode_amx(bool allow);
+// Whether the AVX3 target's forward takes a bfloat16 block's two products, Q·Kᵀ and P·V, with
+// AMX's tile products (flash_amx-inl.h, in place of widening K and V for the float32 FMA tiles;
+// head dims D % 32 == 0 and Dv % 16 == 0, unit-stride K and V rows): where the CPU has AMX-BF16
+// and AVX-512 BF16, the OS grants the tile state, and bfloat16 dot products are allowed, unless
+// turned off (tests check both paths so).
+bool forward_amx_bf16();
+void allow_forward_amx(bool allow);
 // Whether the AVX2 target reads an int4 cache's values with 8-bit integer products on weights
 // rounded to bytes (Int4Output256), and an int8 cache's with 16-bit products on weights rounded
 // to words (Int8Output256), where the CPU has AVX2 and dot products are allowed: tests turn it

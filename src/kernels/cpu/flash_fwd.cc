@@ -11,6 +11,7 @@
 // and at the end out = Ot / l, lse = m + ln l (Dao et al., FlashAttention-2, 2023,
 // Algorithm 1; the layout with query rows in the SIMD lanes follows gemma.cpp). A row that saw
 // no key has l = 0: its output is 0 and its LSE -inf. Memory: O((D + Dv + Bk) · rows) per thread.
+// For bfloat16 where the CPU has AMX, the two block products are tile products (flash_amx-inl.h).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_fwd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -18,11 +19,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/exp2-inl.h"
+#include "kernels/cpu/flash_amx-inl.h"
 #include "kernels/cpu/flash_blocks-inl.h"
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/flash_plan.h"
@@ -114,7 +117,8 @@ void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* o
 }
 
 // T: the element type of q, k, v and out. 16-bit keys and values are widened block by block
-// into float32 scratch (kKeyStage, kValueStage: 64 rows each) and the float32 tiles run on it.
+// into float32 scratch (kKeyStage, kValueStage: 64 rows each) and the float32 tiles run on it,
+// or for bfloat16 where the CPU has AMX, the block products are tile products (AmxBlocks).
 template <typename T>
 void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, float* row_lse) {
   constexpr bool kWide = std::is_same_v<T, float>;
@@ -130,9 +134,13 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   float* m = ws.get<float>(Workspace::kRowMax, M);
   float* l = ws.get<float>(Workspace::kRowSum, M);
   float* alpha = ws.get<float>(Workspace::kRescale, M);
-  PackQueries<T>(d, p, t, qt, ws);
-  float* kstage = kWide ? nullptr : ws.get<float>(Workspace::kKeyStage, kKeyBlock * D);
-  float* vstage = kWide ? nullptr : ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1));
+  std::optional<AmxBlocks> amx;
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (AmxBlocks::Applies(p)) amx.emplace(p, t, ws);
+  }
+  if (!amx) PackQueries<T>(d, p, t, qt, ws);
+  float* kstage = kWide || amx ? nullptr : ws.get<float>(Workspace::kKeyStage, kKeyBlock * D);
+  float* vstage = kWide || amx ? nullptr : ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1));
   std::fill(ot, ot + Dv * M, 0.0f);
   std::fill(m, m + M, kNegInf);
   std::fill(l, l + M, 0.0f);
@@ -186,7 +194,9 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
       PrefetchRows(kbase, p.k_stride[2], jb + kKeyBlock, std::min(kKeyBlock, t.keys.hi - jb - kKeyBlock),
                    p.kv_len - 1, p.head_dim_qk);
     }
-    if constexpr (!kWide) {
+    if (amx) {
+      if constexpr (std::is_same_v<T, bfloat16>) amx->Scores(kbase, p.k_stride[2], k.a, k.n, p.kv_len - 1, p.scale, st);
+    } else if constexpr (!kWide) {
       StageRows(kbase, p.k_stride[2], p.k_stride[3], k.a, k.n, p.kv_len - 1, p.head_dim_qk, kstage);
       ScoresBlock<true>(d, qt, M, t.nvec, kstage, p.head_dim_qk, 1, 0, k.n, k.n, D, st);
     } else if (k_unit) {
@@ -239,7 +249,9 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
 
     const size_t jn = static_cast<size_t>(k.nv);
     const T* vblk = vbase + k.a * p.v_stride[2];
-    if constexpr (!kWide) {
+    if (amx) {
+      if constexpr (std::is_same_v<T, bfloat16>) amx->Output(vblk, p.v_stride[2], k.nv, st, alpha, ot);
+    } else if constexpr (!kWide) {
       StageRows(vblk, p.v_stride[2], p.v_stride[3], 0, k.nv, k.nv - 1, p.head_dim_v, vstage);
       OutputBlock<true>(d, st, M, t.nvec, vstage, p.head_dim_v, 1, jn, Dv, alpha, ot);
     } else if (v_unit) {

@@ -29,6 +29,7 @@ std::atomic<bool> dot_products_allowed{true};
 std::atomic<bool> vnni_allowed{true};
 std::atomic<bool> byte_values_allowed{true};
 std::atomic<bool> amx_allowed{true};
+std::atomic<bool> forward_amx_allowed{true};
 
 // Whether the OS lets this process use AMX's tile data: Linux asks for it once per process
 // (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; the kernel then saves the tiles with a
@@ -80,12 +81,21 @@ bool decode_bf16_dots() {
   return supported && dot_products_allowed.load(std::memory_order_relaxed);
 }
 
-bool decode_amx_bf16() {
-  if (!amx_allowed.load(std::memory_order_relaxed) || !decode_bf16_dots()) return false;
-  // Asked on first need only: allow_decode_amx(false) before it keeps the process's permissions
-  // as they were.
+namespace {
+// AMX-BF16 on this CPU and the tile state granted. Asked on first need only: allow_decode_amx(false)
+// and allow_forward_amx(false) before it keep the process's permissions as they were.
+bool amx_bf16_granted() {
   static const bool supported = cpu_has_amx_bf16() && amx_tile_data_granted();
   return supported;
+}
+}  // namespace
+
+bool decode_amx_bf16() {
+  return amx_allowed.load(std::memory_order_relaxed) && decode_bf16_dots() && amx_bf16_granted();
+}
+
+bool forward_amx_bf16() {
+  return forward_amx_allowed.load(std::memory_order_relaxed) && decode_bf16_dots() && amx_bf16_granted();
 }
 
 bool decode_byte_values() {
@@ -110,6 +120,8 @@ void allow_decode_avx512_vnni(bool allow) { vnni_allowed.store(allow, std::memor
 void allow_decode_byte_values(bool allow) { byte_values_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_decode_amx(bool allow) { amx_allowed.store(allow, std::memory_order_relaxed); }
+
+void allow_forward_amx(bool allow) { forward_amx_allowed.store(allow, std::memory_order_relaxed); }
 
 void force_simd_target(const std::string& name) {
   if (name.empty()) {

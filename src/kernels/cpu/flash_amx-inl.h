@@ -1,0 +1,296 @@
+// The bfloat16 forward's two block products with AMX tiles (Intel's TDPBF16PS), in place of
+// widening K and V to float32 for the FMA tiles: AVX3 target, where the CPU has AMX-BF16 and
+// the OS grants the tile state (forward_amx_bf16()), for head dims D % 32 == 0 and Dv % 16 == 0
+// and unit-stride K and V rows (AmxBlocks::Applies). The tiles keep flash_fwd.cc's layout, query
+// rows in the columns, so the softmax, masks, dropout and the rest of the task are unchanged:
+//
+//   St (keys × rows)  = K_blk (16 keys × 32 channels, loaded from K's rows as they lie)
+//                       · Qp (16 channel pairs × 16 rows, the task's query words packed once)
+//   Ot (Dv × rows)   += Vt (16 channels × 32 keys: a block's value rows, pairs of keys
+//                       interleaved and transposed) · Pp (16 key pairs × 16 rows: P rounded)
+//
+// Numerics (docs/numerics.md): the products of two bfloat16 are exact in float32 and TDPBF16PS
+// adds them to float32 sums (flushing denormal inputs and results), so the scores are the float32
+// path's within its rounding bound, and the scale is applied to the sums (the FMA path scales Q
+// first). P is rounded to bfloat16 for the second product, as FlashAttention does on GPUs; the
+// row sums l stay those of the unrounded P. The intrinsics need their own target (Highway 1.0
+// has no tile ops), as decode_amx-inl.h's.
+#if defined(MHA_KERNELS_CPU_FLASH_AMX_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MHA_KERNELS_CPU_FLASH_AMX_INL_H_
+#undef MHA_KERNELS_CPU_FLASH_AMX_INL_H_
+#else
+#define MHA_KERNELS_CPU_FLASH_AMX_INL_H_
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "hwy/highway.h"
+#include "kernels/attention_params.h"
+#include "kernels/cpu/amx_config.h"
+#include "kernels/cpu/flash.h"
+#include "kernels/cpu/flash_blocks-inl.h"
+#include "kernels/cpu/transpose-inl.h"
+#include "kernels/workspace.h"
+#include "mha/half.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace flash {
+
+#if HWY_TARGET == HWY_AVX3
+
+#define MHA_AMX_TARGET __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16,amx-tile,amx-bf16")))
+
+// Holds the tile state for one forward task of bfloat16 inputs and the task's packed query:
+// every tile is 16 rows of 64 bytes. Tiles 0-3: four 16 × 16 float32 blocks of the result (2 × 2);
+// 4-5: two tiles of the left operand (K or Vt); 6-7: two of the right one (Qp or Pp).
+class AmxBlocks {
+ public:
+  static bool Applies(const AttentionParams& p) {
+    return p.dtype == DType::kBF16 && p.head_dim_qk % 32 == 0 && p.head_dim_qk > 0 && p.head_dim_v % 16 == 0 &&
+           p.head_dim_v > 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1 && forward_amx_bf16();
+  }
+
+  // Packs the task's query rows (zeros for invalid rows): Qp[c][r] holds channels 2c and 2c + 1 of
+  // row r in one dword, (D / 2) × M of them. Loads the tile configuration.
+  MHA_AMX_TARGET AmxBlocks(const AttentionParams& p, const TaskRows& t, Workspace& ws)
+      : p_(p),
+        t_(t),
+        M_(t.mpad),
+        depth_(static_cast<size_t>(p.head_dim_qk)),
+        dv_(static_cast<size_t>(p.head_dim_v)),
+        qp_(ws.get<uint32_t>(Workspace::kAmxQueryPairs, depth_ / 2 * M_)),
+        pp_(ws.get<uint32_t>(Workspace::kAmxProbPairs, kKeyBlock / 2 * M_)),
+        vt_(ws.get<uint16_t>(Workspace::kAmxValueT, dv_ * kKeyBlock)),
+        kstage_(ws.get<uint16_t>(Workspace::kAmxKeyStage, kKeyBlock * depth_)) {
+    const bfloat16* q = static_cast<const bfloat16*>(p.q);
+    for (size_t r = 0; r < M_; ++r) {
+      if (!t.valid[r]) {
+        for (size_t c = 0; c < depth_ / 2; ++c) qp_[c * M_ + r] = 0;
+        continue;
+      }
+      const bfloat16* row = q + t.b * p.q_stride[0] + t.head[r] * p.q_stride[1] + t.query[r] * p.q_stride[2];
+      const int64_t s = p.q_stride[3];
+      for (size_t c = 0; c < depth_ / 2; ++c) {
+        const int64_t x = static_cast<int64_t>(2 * c) * s;
+        qp_[c * M_ + r] = uint32_t{row[x].bits} | uint32_t{row[x + s].bits} << 16;
+      }
+    }
+    AmxTileConfig config;
+    for (int x = 0; x < 8; ++x) {
+      config.rows[x] = 16;
+      config.colsb[x] = 64;
+    }
+    // GCC 12 does not see ldtilecfg read the configuration and drops its stores (as in
+    // decode_amx-inl.h): the asm statement makes the object escape.
+    asm volatile("" : : "r"(&config) : "memory");
+    _tile_loadconfig(&config);
+  }
+  MHA_AMX_TARGET ~AmxBlocks() { _tile_release(); }
+  AmxBlocks(const AmxBlocks&) = delete;
+  AmxBlocks& operator=(const AmxBlocks&) = delete;
+
+  // St rows 0 .. n (keys a .. a + n; more rows, to a multiple of 16, are written and not read):
+  // the sums times scale. kbase: the head's key rows (row stride ks); rows past last repeat it.
+  // A score that is not finite is taken again as the float path takes it, Σ k·(q·scale): an
+  // infinite or NaN input gives the same Inf or NaN, and a sum q·k past the float range that
+  // the scaled products stay inside (a small explicit scale) its finite value.
+  MHA_AMX_TARGET void Scores(const bfloat16* kbase, int64_t ks, int64_t a, int64_t n, int64_t last, float scale,
+                             float* st) const {
+    const size_t nk = static_cast<size_t>(n + 15) / 16 * 16;
+    const uint16_t* k = reinterpret_cast<const uint16_t*>(kbase + a * ks);
+    int64_t stride = ks;
+    if (a + static_cast<int64_t>(nk) - 1 > last) {  // the block's last tile reads past the end
+      for (size_t x = 0; x < nk; ++x) {
+        const bfloat16* row = kbase + std::min<int64_t>(a + static_cast<int64_t>(x), last) * ks;
+        std::memcpy(kstage_ + x * depth_, row, depth_ * sizeof(uint16_t));
+      }
+      k = kstage_;
+      stride = static_cast<int64_t>(depth_);
+    }
+    const size_t kb = static_cast<size_t>(stride) * sizeof(uint16_t), qb = M_ * sizeof(uint32_t);
+    const size_t key_tiles = nk / 16, row_tiles = M_ / 16;
+    for (size_t kt = 0; kt < key_tiles; kt += 2) {
+      const bool k1 = kt + 1 < key_tiles;
+      for (size_t rt = 0; rt < row_tiles; rt += 2) {
+        const bool r1 = rt + 1 < row_tiles;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (size_t c = 0; c < depth_ / 32; ++c) {
+          _tile_loadd(4, k + kt * 16 * static_cast<size_t>(stride) + c * 32, kb);
+          _tile_loadd(6, qp_ + c * 16 * M_ + rt * 16, qb);
+          _tile_dpbf16ps(0, 4, 6);
+          if (r1) {
+            _tile_loadd(7, qp_ + c * 16 * M_ + rt * 16 + 16, qb);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (k1) {
+            _tile_loadd(5, k + (kt + 1) * 16 * static_cast<size_t>(stride) + c * 32, kb);
+            _tile_dpbf16ps(2, 5, 6);
+            if (r1) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        float* s = st + kt * 16 * M_ + rt * 16;
+        _tile_stored(0, s, qb);
+        if (r1) _tile_stored(1, s + 16, qb);
+        if (k1) _tile_stored(2, s + 16 * M_, qb);
+        if (k1 && r1) _tile_stored(3, s + 16 * M_ + 16, qb);
+      }
+    }
+    const __m512 sc = _mm512_set1_ps(scale), inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    __mmask16 bad = 0;
+    for (size_t x = 0; x < static_cast<size_t>(n) * M_; x += 16) {
+      const __m512 s = _mm512_mul_ps(_mm512_load_ps(st + x), sc);
+      _mm512_store_ps(st + x, s);
+      bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(s), inf, _CMP_NLT_UQ);
+    }
+    if (bad == 0) return;
+    for (int64_t j = 0; j < n; ++j) {
+      const bfloat16* key = kbase + std::min(a + j, last) * ks;
+      for (size_t r = 0; r < M_; ++r) {
+        float& s = st[static_cast<size_t>(j) * M_ + r];
+        if (t_.valid[r] && !std::isfinite(s)) s = FloatScore(r, key, scale);
+      }
+    }
+  }
+
+  // Ot = alpha · Ot + Vᵀ · P for the block's keys 0 .. nv (value rows at v, row stride vs) and
+  // P in St rows 0 .. nv.
+  MHA_AMX_TARGET void Output(const bfloat16* v, int64_t vs, int64_t nv, const float* st, const float* alpha,
+                             float* ot) const {
+    const size_t nk = static_cast<size_t>(nv + 31) / 32 * 32;
+    PackProbabilities(st, static_cast<size_t>(nv), nk);
+    TransposeValues(v, vs, static_cast<size_t>(nv), nk);
+    for (size_t c = 0; c < dv_; ++c) {
+      for (size_t r = 0; r < M_; r += 16) {
+        float* o = ot + c * M_ + r;
+        _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), _mm512_load_ps(alpha + r)));
+      }
+    }
+    const size_t ob = M_ * sizeof(float), pb = M_ * sizeof(uint32_t), vb = kKeyBlock * sizeof(uint16_t);
+    const size_t col_tiles = dv_ / 16, row_tiles = M_ / 16;
+    for (size_t ct = 0; ct < col_tiles; ct += 2) {
+      const bool c1 = ct + 1 < col_tiles;
+      for (size_t rt = 0; rt < row_tiles; rt += 2) {
+        const bool r1 = rt + 1 < row_tiles;
+        float* o = ot + ct * 16 * M_ + rt * 16;
+        _tile_loadd(0, o, ob);
+        if (r1) _tile_loadd(1, o + 16, ob);
+        if (c1) _tile_loadd(2, o + 16 * M_, ob);
+        if (c1 && r1) _tile_loadd(3, o + 16 * M_ + 16, ob);
+        for (size_t kc = 0; kc < nk / 32; ++kc) {
+          _tile_loadd(4, vt_ + ct * 16 * kKeyBlock + kc * 32, vb);
+          _tile_loadd(6, pp_ + kc * 16 * M_ + rt * 16, pb);
+          _tile_dpbf16ps(0, 4, 6);
+          if (r1) {
+            _tile_loadd(7, pp_ + kc * 16 * M_ + rt * 16 + 16, pb);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (c1) {
+            _tile_loadd(5, vt_ + (ct + 1) * 16 * kKeyBlock + kc * 32, vb);
+            _tile_dpbf16ps(2, 5, 6);
+            if (r1) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, o, ob);
+        if (r1) _tile_stored(1, o + 16, ob);
+        if (c1) _tile_stored(2, o + 16 * M_, ob);
+        if (c1 && r1) _tile_stored(3, o + 16 * M_ + 16, ob);
+      }
+    }
+  }
+
+ private:
+  // Row r's score of one key as the float path sums it (QkTile: one FMA per channel, in order).
+  float FloatScore(size_t r, const bfloat16* key, float scale) const {
+    const bfloat16* q = static_cast<const bfloat16*>(p_.q) + t_.b * p_.q_stride[0] + t_.head[r] * p_.q_stride[1] +
+                        t_.query[r] * p_.q_stride[2];
+    float s = 0.0f;
+    for (size_t c = 0; c < depth_; ++c) {
+      s = std::fma(to_float(key[c]), to_float(q[static_cast<int64_t>(c) * p_.q_stride[3]]) * scale, s);
+    }
+    return s;
+  }
+
+  // Words 0-15 of x and words 16-31 interleaved: word 2i from i, word 2i + 1 from 16 + i.
+  MHA_AMX_TARGET static __m512i InterleaveHalves(__m512i x) {
+    const __m512i idx = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                          0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
+                                          0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
+    return _mm512_permutexvar_epi16(idx, x);
+  }
+
+  // Pp[j][r] = P[2j][r] and P[2j + 1][r] rounded to bfloat16 (round to nearest even), keys
+  // nv .. nk zero.
+  MHA_AMX_TARGET void PackProbabilities(const float* st, size_t nv, size_t nk) const {
+    const __m512 zero = _mm512_setzero_ps();
+    for (size_t j = 0; j < nk; j += 2) {
+      for (size_t r = 0; r < M_; r += 16) {
+        const __m512 p0 = j < nv ? _mm512_load_ps(st + j * M_ + r) : zero;
+        const __m512 p1 = j + 1 < nv ? _mm512_load_ps(st + (j + 1) * M_ + r) : zero;
+        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));
+        _mm512_store_si512(pp_ + j / 2 * M_ + r, InterleaveHalves(both));
+      }
+    }
+  }
+
+  // Vt[c][j] = V[j][c] for channels c < Dv and keys j < nk (zero from nv on), 32 keys × 16
+  // channels at a time: key pairs interleaved into dwords, then a 16 × 16 dword transpose.
+  MHA_AMX_TARGET void TransposeValues(const bfloat16* v, int64_t vs, size_t nv, size_t nk) const {
+    const __m256i zero = _mm256_setzero_si256();
+    for (size_t k0 = 0; k0 < nk; k0 += 32) {
+      for (size_t c0 = 0; c0 < dv_; c0 += 16) {
+        auto row = [&](size_t j) {  // channels c0 .. c0 + 16 of key j
+          if (j >= nv) return zero;
+          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + static_cast<int64_t>(j) * vs + c0));
+        };
+        __m512 w[16];
+        for (size_t x = 0; x < 16; ++x) {
+          const size_t j = k0 + 2 * x;
+          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(row(j)), row(j + 1), 1);
+          w[x] = _mm512_castsi512_ps(InterleaveHalves(both));
+        }
+        Transpose16(w);  // w[c]: channel c0 + c of the 32 keys, a pair per dword
+        for (size_t c = 0; c < 16; ++c) {
+          _mm512_store_ps(reinterpret_cast<float*>(vt_ + (c0 + c) * kKeyBlock + k0), w[c]);
+        }
+      }
+    }
+  }
+
+  const AttentionParams& p_;
+  const TaskRows& t_;
+  size_t M_, depth_, dv_;
+  uint32_t* qp_;      // (D / 2) × M
+  uint32_t* pp_;      // (kKeyBlock / 2) × M
+  uint16_t* vt_;      // Dv × kKeyBlock
+  uint16_t* kstage_;  // kKeyBlock × D: a block's key rows where its last tile would read past the end
+};
+
+#undef MHA_AMX_TARGET
+
+#else
+
+// Other targets have no tile products: Applies is false, and nothing else is called.
+class AmxBlocks {
+ public:
+  static bool Applies(const AttentionParams&) { return false; }
+  AmxBlocks(const AttentionParams&, const TaskRows&, Workspace&) {}
+  void Scores(const bfloat16*, int64_t, int64_t, int64_t, int64_t, float, float*) const {}
+  void Output(const bfloat16*, int64_t, int64_t, const float*, const float*, float*) const {}
+};
+
+#endif
+
+}  // namespace flash
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // MHA_KERNELS_CPU_FLASH_AMX_INL_H_
