@@ -626,6 +626,41 @@ TEST(HalfAmx, ForwardTilesStayWithinTheBound) {
   EXPECT_GE(moved, problems / 2) << "the tile path did not run";
 }
 
+// Keys and values seen backwards through negative row strides (values read so by the tiles,
+// keys by the float32 tiles: a tile load steps forward) give what the same rows copied in that
+// order give, within the tiles' rounding: attention without a mask does not depend on key order.
+TEST(HalfAmx, ReversedRowsThroughNegativeStrides) {
+  if (!kernels::forward_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 here (or no tile state granted): it is not run";
+  Rng rng(base_seed() + 142);
+  const int64_t Hq = 4, Tq = 70, Tk = 150, D = 64;
+  const Tensor q = random_tensor(rng, {1, Hq, Tq, D}).converted(DType::kBF16);
+  const Tensor k = random_tensor(rng, {1, 1, Tk, D}).converted(DType::kBF16);
+  const Tensor v = random_tensor(rng, {1, 1, Tk, D}).converted(DType::kBF16);
+  Tensor k_rev(DType::kBF16, {1, 1, Tk, D}), v_rev(DType::kBF16, {1, 1, Tk, D});
+  for (int64_t j = 0; j < Tk; ++j) {
+    for (int64_t c = 0; c < D; ++c) {
+      k_rev.data<bfloat16>()[j * D + c] = k.data<bfloat16>()[(Tk - 1 - j) * D + c];
+      v_rev.data<bfloat16>()[j * D + c] = v.data<bfloat16>()[(Tk - 1 - j) * D + c];
+    }
+  }
+  auto run = [&](const View<const bfloat16>& key, const View<const bfloat16>& value) {
+    Tensor out(DType::kBF16, {1, Hq, Tq, D}), lse(DType::kF32, {1, Hq, Tq});
+    BasicAttentionInputs<bfloat16> in;
+    in.query = q.view<bfloat16>();
+    in.key = key;
+    in.value = value;
+    attention(in, {out.view<bfloat16>(), lse.view<float>(), View<bfloat16>()});
+    return out.to_f32();
+  };
+  const std::initializer_list<int64_t> backwards = {Tk * D, Tk * D, -D, 1};
+  const View<const bfloat16> k_back(k.data<bfloat16>() + (Tk - 1) * D, {1, 1, Tk, D}, backwards);
+  const View<const bfloat16> v_back(v.data<bfloat16>() + (Tk - 1) * D, {1, 1, Tk, D}, backwards);
+  const Tensor copied = run(k_rev.view<bfloat16>(), v_rev.view<bfloat16>());
+  const double bound = 2 * unit_roundoff(DType::kBF16) * finite_max_abs(copied);
+  EXPECT_LE(abs_error(run(k_rev.view<bfloat16>(), v_back), copied), bound) << "values backwards (tiles)";
+  EXPECT_LE(abs_error(run(k_back, v_back), copied), bound) << "keys and values backwards (float32 tiles)";
+}
+
 // Where q·k passes the float range but (q·scale)·k does not (a small explicit scale), the
 // tile sums are infinite: those scores are taken as the float path takes them (finite), and an
 // infinite key entry still gives that key infinite or NaN scores, as on the float path.

@@ -1,8 +1,9 @@
 // The bfloat16 forward's two block products with AMX tiles (Intel's TDPBF16PS), in place of
 // widening K and V to float32 for the FMA tiles: AVX3 target, where the CPU has AMX-BF16 and
 // the OS grants the tile state (forward_amx_bf16()), for head dims D % 32 == 0 and Dv % 16 == 0
-// and unit-stride K and V rows (AmxBlocks::Applies). The tiles keep flash_fwd.cc's layout, query
-// rows in the columns, so the softmax, masks, dropout and the rest of the task are unchanged:
+// and unit-stride K and V rows, key rows not reversed (AmxBlocks::Applies). The tiles keep
+// flash_fwd.cc's layout, query rows in the columns, so the softmax, masks, dropout and the rest of
+// the task are unchanged:
 //
 //   St (keys × rows)  = K_blk (16 keys × 32 channels, loaded from K's rows as they lie)
 //                       · Qp (16 channel pairs × 16 rows, the task's query words packed once)
@@ -44,6 +45,11 @@ namespace flash {
 
 #if HWY_TARGET == HWY_AVX3
 
+// Rows per task with the tiles: four row tiles, so the 2 × 2 result blocks are all whole (48, the
+// float32 tiles' choice, leaves a half-empty block per step; measured better than 48, 96 and 128
+// on 2026-12-06, docs/benchmarks.md).
+constexpr int64_t kAmxRows = 64;
+
 #define MHA_AMX_TARGET __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16,amx-tile,amx-bf16")))
 
 // Holds the tile state for one forward task of bfloat16 inputs and the task's packed query:
@@ -52,8 +58,9 @@ namespace flash {
 class AmxBlocks {
  public:
   static bool Applies(const AttentionParams& p) {
+    // Key rows laid forward (stride >= 0): a tile load's rows step by the stride from the first.
     return p.dtype == DType::kBF16 && p.head_dim_qk % 32 == 0 && p.head_dim_qk > 0 && p.head_dim_v % 16 == 0 &&
-           p.head_dim_v > 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1 && forward_amx_bf16();
+           p.head_dim_v > 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1 && p.k_stride[2] >= 0 && forward_amx_bf16();
   }
 
   // Packs the task's query rows (zeros for invalid rows): Qp[c][r] holds channels 2c and 2c + 1 of
@@ -68,19 +75,7 @@ class AmxBlocks {
         pp_(ws.get<uint32_t>(Workspace::kAmxProbPairs, kKeyBlock / 2 * M_)),
         vt_(ws.get<uint16_t>(Workspace::kAmxValueT, dv_ * kKeyBlock)),
         kstage_(ws.get<uint16_t>(Workspace::kAmxKeyStage, kKeyBlock * depth_)) {
-    const bfloat16* q = static_cast<const bfloat16*>(p.q);
-    for (size_t r = 0; r < M_; ++r) {
-      if (!t.valid[r]) {
-        for (size_t c = 0; c < depth_ / 2; ++c) qp_[c * M_ + r] = 0;
-        continue;
-      }
-      const bfloat16* row = q + t.b * p.q_stride[0] + t.head[r] * p.q_stride[1] + t.query[r] * p.q_stride[2];
-      const int64_t s = p.q_stride[3];
-      for (size_t c = 0; c < depth_ / 2; ++c) {
-        const int64_t x = static_cast<int64_t>(2 * c) * s;
-        qp_[c * M_ + r] = uint32_t{row[x].bits} | uint32_t{row[x + s].bits} << 16;
-      }
-    }
+    PackQueryPairs();
     AmxTileConfig config;
     for (int x = 0; x < 8; ++x) {
       config.rows[x] = 16;
@@ -168,7 +163,11 @@ class AmxBlocks {
     const size_t nk = static_cast<size_t>(nv + 31) / 32 * 32;
     PackProbabilities(st, static_cast<size_t>(nv), nk);
     TransposeValues(v, vs, static_cast<size_t>(nv), nk);
-    for (size_t c = 0; c < dv_; ++c) {
+    __mmask16 rescale = 0;  // once every row's maximum has settled, α = 1 and Ot stays
+    for (size_t r = 0; r < M_; r += 16) {
+      rescale |= _mm512_cmp_ps_mask(_mm512_load_ps(alpha + r), _mm512_set1_ps(1.0f), _CMP_NEQ_UQ);
+    }
+    for (size_t c = 0; c < dv_ && rescale != 0; ++c) {
       for (size_t r = 0; r < M_; r += 16) {
         float* o = ot + c * M_ + r;
         _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), _mm512_load_ps(alpha + r)));
@@ -208,10 +207,42 @@ class AmxBlocks {
   }
 
  private:
+  const bfloat16* QueryRow(size_t r) const {
+    return static_cast<const bfloat16*>(p_.q) + t_.b * p_.q_stride[0] + t_.head[r] * p_.q_stride[1] +
+           t_.query[r] * p_.q_stride[2];
+  }
+
+  // Qp[c][r]: channels 2c and 2c + 1 of row r, zero for invalid rows. Unit-stride rows are read
+  // as 16 dwords (32 channels) and transposed 16 rows at a time (Transpose16 moves bits only).
+  MHA_AMX_TARGET void PackQueryPairs() const {
+    const size_t pairs = depth_ / 2;
+    if (p_.q_stride[3] != 1) {
+      for (size_t r = 0; r < M_; ++r) {
+        const bfloat16* row = t_.valid[r] ? QueryRow(r) : nullptr;
+        const int64_t s = p_.q_stride[3];
+        for (size_t c = 0; c < pairs; ++c) {
+          const int64_t x = static_cast<int64_t>(2 * c) * s;
+          qp_[c * M_ + r] = row ? uint32_t{row[x].bits} | uint32_t{row[x + s].bits} << 16 : 0;
+        }
+      }
+      return;
+    }
+    for (size_t r0 = 0; r0 < M_; r0 += 16) {
+      for (size_t c0 = 0; c0 < pairs; c0 += 16) {
+        __m512 w[16];
+        for (size_t x = 0; x < 16; ++x) {
+          w[x] = t_.valid[r0 + x] ? _mm512_loadu_ps(reinterpret_cast<const float*>(QueryRow(r0 + x) + 2 * c0))
+                                  : _mm512_setzero_ps();
+        }
+        Transpose16(w);
+        for (size_t c = 0; c < 16; ++c) _mm512_store_ps(reinterpret_cast<float*>(qp_ + (c0 + c) * M_ + r0), w[c]);
+      }
+    }
+  }
+
   // Row r's score of one key as the float path sums it (QkTile: one FMA per channel, in order).
   float FloatScore(size_t r, const bfloat16* key, float scale) const {
-    const bfloat16* q = static_cast<const bfloat16*>(p_.q) + t_.b * p_.q_stride[0] + t_.head[r] * p_.q_stride[1] +
-                        t_.query[r] * p_.q_stride[2];
+    const bfloat16* q = QueryRow(r);
     float s = 0.0f;
     for (size_t c = 0; c < depth_; ++c) {
       s = std::fma(to_float(key[c]), to_float(q[static_cast<int64_t>(c) * p_.q_stride[3]]) * scale, s);
@@ -279,6 +310,7 @@ class AmxBlocks {
 #else
 
 // Other targets have no tile products: Applies is false, and nothing else is called.
+constexpr int64_t kAmxRows = kTargetRows;
 class AmxBlocks {
  public:
   static bool Applies(const AttentionParams&) { return false; }

@@ -118,9 +118,9 @@ void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* o
 
 // T: the element type of q, k, v and out. 16-bit keys and values are widened block by block
 // into float32 scratch (kKeyStage, kValueStage: 64 rows each) and the float32 tiles run on it,
-// or for bfloat16 where the CPU has AMX, the block products are tile products (AmxBlocks).
+// or for bfloat16 with `tiles` (AmxBlocks::Applies), the block products are tile products.
 template <typename T>
-void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, float* row_lse) {
+void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, float* row_lse, bool tiles) {
   constexpr bool kWide = std::is_same_v<T, float>;
   const DF d;
   const size_t N = hn::Lanes(d);
@@ -136,7 +136,7 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   float* alpha = ws.get<float>(Workspace::kRescale, M);
   std::optional<AmxBlocks> amx;
   if constexpr (std::is_same_v<T, bfloat16>) {
-    if (AmxBlocks::Applies(p)) amx.emplace(p, t, ws);
+    if (tiles) amx.emplace(p, t, ws);
   }
   if (!amx) PackQueries<T>(d, p, t, qt, ws);
   float* kstage = kWide || amx ? nullptr : ws.get<float>(Workspace::kKeyStage, kKeyBlock * D);
@@ -293,8 +293,12 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
 }  // namespace
 
 void FlashForward(const AttentionParams& p, float* row_lse, int num_threads) {
-  const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
-  auto run = [&](auto task) { parallel_for(plan.tasks(), num_threads, [&](int64_t i) { task(p, plan, plan.order[i], row_lse); }); };
+  // Decided once per call: every task takes the same path, whatever the threads.
+  const bool tiles = AmxBlocks::Applies(p);
+  const FlashPlan plan = make_flash_plan(p, tiles ? kAmxRows : kTargetRows, kKeyBlock);
+  auto run = [&](auto task) {
+    parallel_for(plan.tasks(), num_threads, [&](int64_t i) { task(p, plan, plan.order[i], row_lse, tiles); });
+  };
   switch (p.dtype) {
     case DType::kBF16: run(ForwardTask<bfloat16>); break;
     case DType::kF16: run(ForwardTask<float16>); break;
