@@ -406,6 +406,43 @@ TEST_P(BackwardTest, SameBitsForOneAndTwoThreads) {
   EXPECT_TRUE(bitwise_equal(a.dbias, b.dbias));
 }
 
+// The backward packs each query block's Q and dO once per task and keeps them for its other key
+// blocks (within backward_pack_limit()); packing them again for every key block (limit 0) must
+// give the same bits: several query and key blocks per task, GQA, masks, a bias, dropout and
+// softcap, tasks run one after another on each thread (stale packing from the last would show).
+TEST_P(BackwardTest, KeptPackedQueryBlocksGiveTheBitsOfPackingEachTime) {
+  const RestoreKernelSwitches restore;
+  Rng rng(base_seed() + 36);
+  for (int trial = 0; trial < 4; ++trial) {
+    Problem p;
+    p.B = 2;
+    p.Hkv = 2;
+    p.Hq = 2 * rng.range(1, 3);
+    p.Tq = rng.range(60, 200);
+    p.Tk = rng.range(60, 300);
+    p.D = rng.range(8, 72);
+    p.Dv = rng.coin(0.5) ? p.D : rng.range(8, 72);
+    p.make(rng);
+    if (rng.coin(0.5)) {
+      p.keep = random_mask(rng, {p.B, 1, p.Tq, p.Tk}, 0.7);
+      p.in.keep_mask = p.keep.view<uint8_t>();
+    }
+    add_bias(p, rng);
+    p.opt.causal = static_cast<Causal>(rng.range(0, 2));
+    if (rng.coin(0.5)) p.opt.dropout_p = 0.2f, p.opt.dropout_seed = rng.next();
+    p.add_variants(rng, 0.5);
+    SCOPED_TRACE(p.describe());
+    kernels::set_backward_pack_limit(kernels::kDefaultBackwardPackLimit);
+    const Grads kept = run(p, Backend::kFast, 2);
+    kernels::set_backward_pack_limit(0);
+    const Grads each = run(p, Backend::kFast, 2);
+    EXPECT_TRUE(bitwise_equal(kept.dq, each.dq));
+    EXPECT_TRUE(bitwise_equal(kept.dk, each.dk));
+    EXPECT_TRUE(bitwise_equal(kept.dv, each.dv));
+    EXPECT_TRUE(bitwise_equal(kept.dbias, each.dbias));
+  }
+}
+
 // The fast kernel writes zeros itself where no block computes a score (nothing zeroes the buffer
 // first), so a broadcast bias's full-gradient scratch, kept between calls, must not leak the last
 // call's values: a call without masks dirties it, then a causal call with a window of 40 and keys

@@ -37,6 +37,8 @@ class Workspace {
     kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,
     kBwdSoftcapGrad, kBwdScoreGrad,
+    // The backward's query blocks packed once per task (Q and dO in both layouts), and which are.
+    kBwdPacked, kBwdPackedBlocks,
     // attention_backward (src/ops/attention_backward.cc): a broadcast bias's full gradient.
     kBwdBiasGradFull,
     // Decoding (flash_decode.cc).

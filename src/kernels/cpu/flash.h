@@ -3,6 +3,7 @@
 #ifndef MHA_KERNELS_CPU_FLASH_H_
 #define MHA_KERNELS_CPU_FLASH_H_
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,12 @@ std::string flash_forward_name();
 // The backward (p as in the forward, with p.out and p.lse the forward's results), for every
 // dtype: 16-bit arguments are widened as they are read, the gradients rounded once.
 void flash_backward(const AttentionParams& p, const AttentionGradParams& g, int num_threads);
+// The most bytes of packed query blocks (Q and dO, both layouts) the backward keeps per thread
+// to pack each block once rather than once per key block (default 8 MiB; 0 packs every time,
+// which tests compare bit for bit). The results do not depend on it.
+inline constexpr size_t kDefaultBackwardPackLimit = size_t{8} << 20;
+size_t backward_pack_limit();
+void set_backward_pack_limit(size_t bytes);
 
 // Decoding: at most kMaxDecodeRows query rows per kv head (Tq · Hq/Hkv), no keep mask, bias,
 // dropout or weights, unit-stride K/V rows (decode_applies). Writes out and lse.

@@ -13,7 +13,7 @@
 // and dK = scale·dK_blk, dQ = scale·dQ_task at the end. dK and dV of a kv head sum over its G
 // query heads inside one task and dQ belongs to the task, so there are no atomics and the
 // result has the same bits for any thread count. Memory per thread: O((Bk + M)·D) for the
-// tiles plus O(G·Tq·D) for dQ.
+// tiles plus O(G·Tq·D) for dQ, and for the packed query blocks up to backward_pack_limit().
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_bwd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -197,6 +197,15 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   float* score_grad = g.grad_scores && capgrad ? ws.get<float>(Workspace::kBwdScoreGrad, kKeyBlock * mmax) : st;
   float* dostage = kWide ? nullptr : ws.get<float>(Workspace::kBwdGradOutStage, mmax * std::max<size_t>(Dv, 1));
   std::fill(dq, dq + static_cast<size_t>(G * Tq) * Dp, 0.0f);
+  // Each query block's Q and dO in both layouts (qt, dot, qrows, dorows), packed on its first
+  // key block and kept for the others where all of them fit backward_pack_limit(); else packed
+  // again for every key block (they were ~11% of a training step at T = 256 so).
+  const size_t packed_floats = (std::max<size_t>(D, 1) + std::max<size_t>(Dv, 1) + Dp + Dvp) * mmax;
+  const size_t q_blocks = static_cast<size_t>(plan.q_blocks);
+  const bool keep_packed = q_blocks * packed_floats <= backward_pack_limit() / sizeof(float);
+  float* packed = keep_packed ? ws.get<float>(Workspace::kBwdPacked, q_blocks * packed_floats) : nullptr;
+  uint8_t* is_packed = keep_packed ? ws.get<uint8_t>(Workspace::kBwdPackedBlocks, q_blocks) : nullptr;
+  if (keep_packed) std::fill(is_packed, is_packed + q_blocks, 0);
 
   // Per row of the task: the forward's LSE and D = rowsum(dO ⊙ O).
   for (int64_t gg = 0; gg < G; ++gg) {
@@ -256,10 +265,19 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       }
       touched = true;
       const size_t M = t.mpad;
-      PackTransposed(d, t, qsrc, p.q_stride, p.head_dim_qk, p.scale, qt, qstage);
-      PackTransposed(d, t, dosrc, g.grad_out_stride, p.head_dim_v, 1.0f, dot, dostage);
-      PackRows(t, qsrc, p.q_stride, p.head_dim_qk, Dp, qrows);
-      PackRows(t, dosrc, g.grad_out_stride, p.head_dim_v, Dvp, dorows);
+      if (keep_packed) {
+        qt = packed + static_cast<size_t>(qb) * packed_floats;
+        dot = qt + std::max<size_t>(D, 1) * mmax;
+        qrows = dot + std::max<size_t>(Dv, 1) * mmax;
+        dorows = qrows + Dp * mmax;
+      }
+      if (!keep_packed || !is_packed[qb]) {
+        PackTransposed(d, t, qsrc, p.q_stride, p.head_dim_qk, p.scale, qt, qstage);
+        PackTransposed(d, t, dosrc, g.grad_out_stride, p.head_dim_v, 1.0f, dot, dostage);
+        PackRows(t, qsrc, p.q_stride, p.head_dim_qk, Dp, qrows);
+        PackRows(t, dosrc, g.grad_out_stride, p.head_dim_v, Dvp, dorows);
+        if (keep_packed) is_packed[qb] = 1;
+      }
       float* lse_r = rowvec;
       float* d_r = rowvec + M;
       for (size_t r = 0; r < M; ++r) {

@@ -30,6 +30,7 @@ std::atomic<bool> vnni_allowed{true};
 std::atomic<bool> byte_values_allowed{true};
 std::atomic<bool> amx_allowed{true};
 std::atomic<bool> forward_amx_allowed{true};
+std::atomic<size_t> pack_limit{kDefaultBackwardPackLimit};
 
 // Whether the OS lets this process use AMX's tile data: Linux asks for it once per process
 // (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; the kernel then saves the tiles with a
@@ -122,6 +123,10 @@ void allow_decode_byte_values(bool allow) { byte_values_allowed.store(allow, std
 void allow_decode_amx(bool allow) { amx_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_forward_amx(bool allow) { forward_amx_allowed.store(allow, std::memory_order_relaxed); }
+
+size_t backward_pack_limit() { return pack_limit.load(std::memory_order_relaxed); }
+
+void set_backward_pack_limit(size_t bytes) { pack_limit.store(bytes, std::memory_order_relaxed); }
 
 void force_simd_target(const std::string& name) {
   if (name.empty()) {
