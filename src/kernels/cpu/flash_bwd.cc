@@ -112,6 +112,12 @@ void PackRows(const TaskRows& t, const T* src, const Strides4& st, int64_t width
 
 size_t RoundUp(size_t x, size_t n) { return (x + n - 1) / n * n; }
 
+// Key 0 of task row r's row in g.grad_scores (B, Hq, Tq, Tk).
+float* ScoreGradRow(const AttentionGradParams& g, const TaskRows& t, size_t r) {
+  const Strides4& s = g.grad_scores_stride;
+  return g.grad_scores + t.b * s[0] + t.head[r] * s[1] + t.query[r] * s[2];
+}
+
 // A block's bias gradient sg (keys × rows, rows in the lanes) into the (B, Hq, Tq, Tk) rows of
 // g.grad_scores: N keys × N rows transposed at a time when its keys are dense, else one by one.
 // Each (row, key) belongs to one task and one block, so each is written once.
@@ -123,7 +129,7 @@ void WriteScoreGrads(DF d, const AttentionParams& p, const AttentionGradParams& 
   if (s[3] != 1) {
     for (size_t r = 0; r < M; ++r) {
       if (!t.valid[r]) continue;
-      float* dst = g.grad_scores + t.b * s[0] + t.head[r] * s[1] + t.query[r] * s[2] + k.a * s[3];
+      float* dst = ScoreGradRow(g, t, r) + k.a * s[3];
       for (int64_t j = 0; j < jn; ++j) dst[j * s[3]] = sg[j * M + r];
     }
     return;
@@ -139,7 +145,7 @@ void WriteScoreGrads(DF d, const AttentionParams& p, const AttentionGradParams& 
       for (size_t c = 0; c < N; ++c) {
         const size_t r = rv * N + c;
         if (!t.valid[r]) continue;
-        float* dst = g.grad_scores + t.b * s[0] + t.head[r] * s[1] + t.query[r] * s[2] + k.a + c0;
+        float* dst = ScoreGradRow(g, t, r) + k.a + c0;
         std::copy(block + c * N, block + c * N + nk, dst);
       }
     }
@@ -153,7 +159,7 @@ void ZeroScoreGrads(const AttentionGradParams& g, const TaskRows& t, int64_t a, 
   const Strides4& s = g.grad_scores_stride;
   for (size_t r = 0; r < t.mpad && n > 0; ++r) {
     if (!t.valid[r]) continue;
-    float* dst = g.grad_scores + t.b * s[0] + t.head[r] * s[1] + t.query[r] * s[2] + a * s[3];
+    float* dst = ScoreGradRow(g, t, r) + a * s[3];
     for (int64_t j = 0; j < n; ++j) dst[j * s[3]] = 0.0f;
   }
 }
