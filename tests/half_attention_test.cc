@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -668,15 +669,19 @@ TEST(HalfAmx, ScoresPastTheFloatRangeTakeTheFloatPath) {
   if (!kernels::forward_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 here (or no tile state granted): it is not run";
   const RestoreKernelSwitches restore;
   Rng rng(base_seed() + 141);
-  Problem big;
-  big.dtype = DType::kBF16;
-  big.Hkv = 1;
-  big.Hq = 2;
-  big.Tq = 20;
-  big.Tk = 40;
-  big.D = big.Dv = 64;
-  big.opt.scale = 1e-30f;
-  big.make(rng);
+  auto problem = [&](std::optional<float> scale) {
+    Problem p;
+    p.dtype = DType::kBF16;
+    p.Hkv = 1;
+    p.Hq = 2;
+    p.Tq = 20;
+    p.Tk = 40;
+    p.D = p.Dv = 64;
+    p.opt.scale = scale;
+    p.make(rng);
+    return p;
+  };
+  Problem big = problem(1e-30f);
   for (int64_t i = 0; i < big.q16.numel(); ++i) big.q16.data<bfloat16>()[i] = to_bfloat16(i % 2 ? 1e19f : -1e19f);
   for (int64_t i = 0; i < big.k16.numel(); ++i) big.k16.data<bfloat16>()[i] = to_bfloat16(i % 3 ? 1e19f : -1e19f);
   big.q32 = big.q16.to_f32();
@@ -684,14 +689,7 @@ TEST(HalfAmx, ScoresPastTheFloatRangeTakeTheFloatPath) {
   const Result tiles = run_dtype(big, Backend::kFast);
   for (int64_t i = 0; i < tiles.lse.numel(); ++i) EXPECT_TRUE(std::isfinite(tiles.lse.data<float>()[i])) << i;
   check(big);
-  Problem inf;
-  inf.dtype = DType::kBF16;
-  inf.Hkv = 1;
-  inf.Hq = 2;
-  inf.Tq = 20;
-  inf.Tk = 40;
-  inf.D = inf.Dv = 64;
-  inf.make(rng);
+  Problem inf = problem(std::nullopt);
   inf.k16.data<bfloat16>()[7 * 64 + 3] = to_bfloat16(std::numeric_limits<float>::infinity());
   inf.k32 = inf.k16.to_f32();
   kernels::allow_forward_amx(false);

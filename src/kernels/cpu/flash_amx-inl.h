@@ -118,25 +118,12 @@ class AmxBlocks {
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (size_t c = 0; c < depth_ / 32; ++c) {
-          _tile_loadd(4, k + kt * 16 * static_cast<size_t>(stride) + c * 32, kb);
-          _tile_loadd(6, qp_ + c * 16 * M_ + rt * 16, qb);
-          _tile_dpbf16ps(0, 4, 6);
-          if (r1) {
-            _tile_loadd(7, qp_ + c * 16 * M_ + rt * 16 + 16, qb);
-            _tile_dpbf16ps(1, 4, 7);
-          }
-          if (k1) {
-            _tile_loadd(5, k + (kt + 1) * 16 * static_cast<size_t>(stride) + c * 32, kb);
-            _tile_dpbf16ps(2, 5, 6);
-            if (r1) _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        float* s = st + kt * 16 * M_ + rt * 16;
-        _tile_stored(0, s, qb);
-        if (r1) _tile_stored(1, s + 16, qb);
-        if (k1) _tile_stored(2, s + 16 * M_, qb);
-        if (k1 && r1) _tile_stored(3, s + 16 * M_ + 16, qb);
+        // Steps of 32 channels: 64 bytes along a key row, 16 channel-pair rows down Qp.
+        const Operands keys{reinterpret_cast<const char*>(k + kt * 16 * static_cast<size_t>(stride)), kb, 16 * kb, 64,
+                            k1};
+        const Operands rows{reinterpret_cast<const char*>(qp_ + rt * 16), qb, 64, 16 * qb, r1};
+        TileProducts(keys, rows, depth_ / 32);
+        StoreResults(st + kt * 16 * M_ + rt * 16, M_, k1, r1);
       }
     }
     const __m512 sc = _mm512_set1_ps(scale), inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
@@ -173,40 +160,70 @@ class AmxBlocks {
         _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), _mm512_load_ps(alpha + r)));
       }
     }
-    const size_t ob = M_ * sizeof(float), pb = M_ * sizeof(uint32_t), vb = kKeyBlock * sizeof(uint16_t);
+    const size_t pb = M_ * sizeof(uint32_t), vb = kKeyBlock * sizeof(uint16_t);
     const size_t col_tiles = dv_ / 16, row_tiles = M_ / 16;
     for (size_t ct = 0; ct < col_tiles; ct += 2) {
       const bool c1 = ct + 1 < col_tiles;
       for (size_t rt = 0; rt < row_tiles; rt += 2) {
         const bool r1 = rt + 1 < row_tiles;
         float* o = ot + ct * 16 * M_ + rt * 16;
-        _tile_loadd(0, o, ob);
-        if (r1) _tile_loadd(1, o + 16, ob);
-        if (c1) _tile_loadd(2, o + 16 * M_, ob);
-        if (c1 && r1) _tile_loadd(3, o + 16 * M_ + 16, ob);
-        for (size_t kc = 0; kc < nk / 32; ++kc) {
-          _tile_loadd(4, vt_ + ct * 16 * kKeyBlock + kc * 32, vb);
-          _tile_loadd(6, pp_ + kc * 16 * M_ + rt * 16, pb);
-          _tile_dpbf16ps(0, 4, 6);
-          if (r1) {
-            _tile_loadd(7, pp_ + kc * 16 * M_ + rt * 16 + 16, pb);
-            _tile_dpbf16ps(1, 4, 7);
-          }
-          if (c1) {
-            _tile_loadd(5, vt_ + (ct + 1) * 16 * kKeyBlock + kc * 32, vb);
-            _tile_dpbf16ps(2, 5, 6);
-            if (r1) _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        _tile_stored(0, o, ob);
-        if (r1) _tile_stored(1, o + 16, ob);
-        if (c1) _tile_stored(2, o + 16 * M_, ob);
-        if (c1 && r1) _tile_stored(3, o + 16 * M_ + 16, ob);
+        LoadResults(o, M_, c1, r1);
+        // Steps of 32 keys: 64 bytes along a row of Vt, 16 key-pair rows down Pp.
+        const Operands columns{reinterpret_cast<const char*>(vt_ + ct * 16 * kKeyBlock), vb, 16 * vb, 64, c1};
+        const Operands rows{reinterpret_cast<const char*>(pp_ + rt * 16), pb, 64, 16 * pb, r1};
+        TileProducts(columns, rows, nk / 32);
+        StoreResults(o, M_, c1, r1);
       }
     }
   }
 
  private:
+  // Two operand tiles side by side: the first at `at`, the second `next` bytes on (if `two`), each
+  // 16 rows of `ld` bytes; a product step's operands lie `step` bytes on from the last step's.
+  struct Operands {
+    const char* at;
+    size_t ld, next, step;
+    bool two;
+  };
+
+  // Result tiles 0-3 += Σ over `steps` steps of the left operands (tiles 4, 5) times the right
+  // ones (6, 7): result tile 2i + j from left tile i and right tile j.
+  MHA_AMX_TARGET static void TileProducts(const Operands& left, const Operands& right, size_t steps) {
+    for (size_t x = 0; x < steps; ++x) {
+      const char* a = left.at + x * left.step;
+      const char* b = right.at + x * right.step;
+      _tile_loadd(4, a, left.ld);
+      _tile_loadd(6, b, right.ld);
+      _tile_dpbf16ps(0, 4, 6);
+      if (right.two) {
+        _tile_loadd(7, b + right.next, right.ld);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (left.two) {
+        _tile_loadd(5, a + left.next, left.ld);
+        _tile_dpbf16ps(2, 5, 6);
+        if (right.two) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+
+  // The result tiles in use to or from c (rows of ldc floats): tile 2i + j at 16·i rows and 16·j
+  // columns on, for i < 1 + two_left and j < 1 + two_right.
+  MHA_AMX_TARGET static void LoadResults(const float* c, size_t ldc, bool two_left, bool two_right) {
+    const size_t bytes = ldc * sizeof(float);
+    _tile_loadd(0, c, bytes);
+    if (two_right) _tile_loadd(1, c + 16, bytes);
+    if (two_left) _tile_loadd(2, c + 16 * ldc, bytes);
+    if (two_left && two_right) _tile_loadd(3, c + 16 * ldc + 16, bytes);
+  }
+  MHA_AMX_TARGET static void StoreResults(float* c, size_t ldc, bool two_left, bool two_right) {
+    const size_t bytes = ldc * sizeof(float);
+    _tile_stored(0, c, bytes);
+    if (two_right) _tile_stored(1, c + 16, bytes);
+    if (two_left) _tile_stored(2, c + 16 * ldc, bytes);
+    if (two_left && two_right) _tile_stored(3, c + 16 * ldc + 16, bytes);
+  }
+
   const bfloat16* QueryRow(size_t r) const {
     return static_cast<const bfloat16*>(p_.q) + t_.b * p_.q_stride[0] + t_.head[r] * p_.q_stride[1] +
            t_.query[r] * p_.q_stride[2];
