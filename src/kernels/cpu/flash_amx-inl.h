@@ -46,8 +46,8 @@ namespace flash {
 #if HWY_TARGET == HWY_AVX3
 
 // Rows per task with the tiles: four row tiles, so the 2 × 2 result blocks are all whole (48, the
-// float32 tiles' choice, leaves a half-empty block per step; measured better than 48, 96 and 128
-// on 2026-12-06, docs/benchmarks.md).
+// float32 tiles' choice, leaves a half-empty block per step and measured slower; 96 and 128 were
+// level with 64 within the noise on 2026-12-06, docs/benchmarks.md).
 constexpr int64_t kAmxRows = 64;
 
 #define MHA_AMX_TARGET __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16,amx-tile,amx-bf16")))
