@@ -23,7 +23,7 @@ class Workspace {
     kTileSlope, kTilePos, kTilePosRel,
     // Sink tokens past a gap per row (KeyRange::sink_hi), absolute and relative to the block.
     kTileSinkHi, kTileSinkRel,
-    // Forward and weights passes (flash_fwd.cc, flash_weights.cc); the backward reuses the first two.
+    // Forward and weights passes (flash_fwd.cc, flash_weights.cc); the backward reuses kScores.
     kQueryT, kScores, kOutT, kRowMax, kRowSum, kRescale, kNonfinite, kOutSpill, kRowSumSpill,
     kRowMaxSpill,
     // 16-bit inputs widened to float32 (flash_blocks-inl.h StageRows / PackQueries): the task's
@@ -34,10 +34,11 @@ class Workspace {
     // past the last.
     kAmxQueryPairs, kAmxProbPairs, kAmxValueT, kAmxKeyStage,
     // Backward (flash_bwd.cc).
-    kBwdDq, kBwdGradOutT, kBwdGradP, kBwdDroppedP, kBwdQueryRows, kBwdGradOutRows, kBwdKeyBlock,
+    kBwdDq, kBwdGradP, kBwdDroppedP, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,
     kBwdSoftcapGrad, kBwdScoreGrad,
-    // The backward's query blocks packed once per task (Q and dO in both layouts), and which are.
+    // The backward's query blocks, Q and dO in both layouts (all of a task's, or one at a time),
+    // and which of them are packed.
     kBwdPacked, kBwdPackedBlocks,
     // attention_backward (src/ops/attention_backward.cc): a broadcast bias's full gradient.
     kBwdBiasGradFull,

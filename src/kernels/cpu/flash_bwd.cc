@@ -177,13 +177,9 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   const size_t Dp = RoundUp(D, N), Dvp = RoundUp(Dv, N);
   Workspace& ws = Workspace::local();
   const size_t mmax = RoundUp(static_cast<size_t>(plan.rows), N);
-  float* qt = ws.get<float>(Workspace::kQueryT, D * mmax);       // Q transposed, scaled
   float* st = ws.get<float>(Workspace::kScores, kKeyBlock * mmax);  // scores, then P, then dS
-  float* dot = ws.get<float>(Workspace::kBwdGradOutT, std::max<size_t>(Dv, 1) * mmax);  // dO transposed
   float* dpt = ws.get<float>(Workspace::kBwdGradP, kKeyBlock * mmax);  // dP
   float* pdt = ws.get<float>(Workspace::kBwdDroppedP, kKeyBlock * mmax);  // P with dropout (for dV)
-  float* qrows = ws.get<float>(Workspace::kBwdQueryRows, mmax * Dp);
-  float* dorows = ws.get<float>(Workspace::kBwdGradOutRows, mmax * Dvp);
   float* kblk = ws.get<float>(Workspace::kBwdKeyBlock, kKeyBlock * Dp);
   float* dk = ws.get<float>(Workspace::kBwdDkBlock, kKeyBlock * Dp);
   float* dv = ws.get<float>(Workspace::kBwdDvBlock, kKeyBlock * Dvp);
@@ -203,15 +199,16 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   float* score_grad = g.grad_scores && capgrad ? ws.get<float>(Workspace::kBwdScoreGrad, kKeyBlock * mmax) : st;
   float* dostage = kWide ? nullptr : ws.get<float>(Workspace::kBwdGradOutStage, mmax * std::max<size_t>(Dv, 1));
   std::fill(dq, dq + static_cast<size_t>(G * Tq) * Dp, 0.0f);
-  // Each query block's Q and dO in both layouts (qt, dot, qrows, dorows), packed on its first
-  // key block and kept for the others where all of them fit backward_pack_limit(); else packed
-  // again for every key block (they were ~11% of a training step at T = 256 so).
+  // Each query block's Q and dO in both layouts: Q transposed and scaled (qt), dO transposed
+  // (dot), Q and dO as padded rows (qrows, dorows). Packed on the block's first key block and
+  // kept for the others where all blocks fit backward_pack_limit(); else one block's room,
+  // packed again for every key block (they were ~11% of a training step at T = 256 so).
   const size_t packed_floats = (std::max<size_t>(D, 1) + std::max<size_t>(Dv, 1) + Dp + Dvp) * mmax;
   const size_t q_blocks = static_cast<size_t>(plan.q_blocks);
   const bool keep_packed = q_blocks * packed_floats <= backward_pack_limit() / sizeof(float);
-  float* packed = keep_packed ? ws.get<float>(Workspace::kBwdPacked, q_blocks * packed_floats) : nullptr;
-  uint8_t* is_packed = keep_packed ? ws.get<uint8_t>(Workspace::kBwdPackedBlocks, q_blocks) : nullptr;
-  if (keep_packed) std::fill(is_packed, is_packed + q_blocks, 0);
+  float* packed = ws.get<float>(Workspace::kBwdPacked, (keep_packed ? q_blocks : 1) * packed_floats);
+  uint8_t* is_packed = ws.get<uint8_t>(Workspace::kBwdPackedBlocks, q_blocks);
+  std::fill(is_packed, is_packed + q_blocks, 0);
 
   // Per row of the task: the forward's LSE and D = rowsum(dO ⊙ O).
   for (int64_t gg = 0; gg < G; ++gg) {
@@ -271,18 +268,16 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       }
       touched = true;
       const size_t M = t.mpad;
-      if (keep_packed) {
-        qt = packed + static_cast<size_t>(qb) * packed_floats;
-        dot = qt + std::max<size_t>(D, 1) * mmax;
-        qrows = dot + std::max<size_t>(Dv, 1) * mmax;
-        dorows = qrows + Dp * mmax;
-      }
-      if (!keep_packed || !is_packed[qb]) {
+      float* qt = packed + (keep_packed ? static_cast<size_t>(qb) : 0) * packed_floats;
+      float* dot = qt + std::max<size_t>(D, 1) * mmax;
+      float* qrows = dot + std::max<size_t>(Dv, 1) * mmax;
+      float* dorows = qrows + Dp * mmax;
+      if (!is_packed[qb]) {
         PackTransposed(d, t, qsrc, p.q_stride, p.head_dim_qk, p.scale, qt, qstage);
         PackTransposed(d, t, dosrc, g.grad_out_stride, p.head_dim_v, 1.0f, dot, dostage);
         PackRows(t, qsrc, p.q_stride, p.head_dim_qk, Dp, qrows);
         PackRows(t, dosrc, g.grad_out_stride, p.head_dim_v, Dvp, dorows);
-        if (keep_packed) is_packed[qb] = 1;
+        is_packed[qb] = keep_packed;
       }
       float* lse_r = rowvec;
       float* d_r = rowvec + M;
