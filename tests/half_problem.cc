@@ -1,0 +1,139 @@
+#include "half_problem.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/cpu/flash.h"
+#include "kernels/ref/attention_ref.h"
+#include "ops/attention_checks.h"
+
+namespace mha::test {
+
+Result alloc(const Problem& p, DType out_dtype) {
+  Result r;
+  r.out = Tensor(out_dtype, {p.B, p.Hq, p.Tq, p.Dv});
+  r.lse = Tensor(DType::kF32, {p.B, p.Hq, p.Tq});
+  if (p.weights_rank) r.weights = Tensor(out_dtype, p.weights_shape());
+  return r;
+}
+
+Result run_dtype(const Problem& p, Backend backend, int threads) {
+  return p.dtype == DType::kBF16 ? run16<bfloat16>(p, backend, threads) : run16<float16>(p, backend, threads);
+}
+
+Result run_dots_off(const Problem& p) {
+  // The dot products back on however run_dtype returns; the fixture's SIMD target stays (not
+  // RestoreKernelSwitches, which would reset it).
+  struct DotsBackOn {
+    ~DotsBackOn() { kernels::allow_decode_dot_products(true); }
+  } const back_on;
+  kernels::allow_decode_dot_products(false);
+  return run_dtype(p, Backend::kFast);
+}
+
+template <typename Acc>
+Result run32(const Problem& p) {
+  Result r = alloc(p, DType::kF32);
+  const AttentionOutputs o{r.out.view<float>(), r.lse.view<float>(),
+                           p.weights_rank ? r.weights.view<float>() : View<float>()};
+  const kernels::AttentionParams kp = ops::make_attention_params(p.inputs32(), o, p.opt);
+  for (int64_t b = 0; b < kp.batch; ++b)
+    for (int64_t i = 0; i < kp.q_len; ++i) kernels::attention_ref_row<Acc>(kp, b, i);
+  return r;
+}
+
+template Result run32<double>(const Problem& p);
+template Result run32<float>(const Problem& p);
+
+double abs_error(const Tensor& got, const Tensor& ref) {
+  double e = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i) {
+    const float g = got.data<float>()[i], r = ref.data<float>()[i];
+    if (!std::isfinite(r)) {
+      if (!(std::isnan(r) ? std::isnan(g) : g == r)) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    const double d = std::fabs(static_cast<double>(g) - r);
+    e = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(e, d);
+  }
+  return e;
+}
+
+double finite_max_abs(const Tensor& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (std::isfinite(t.data<float>()[i])) m = std::max(m, std::fabs(static_cast<double>(t.data<float>()[i])));
+  return m;
+}
+
+void check(const Problem& p) {
+  SCOPED_TRACE(p.describe());
+  const double u16 = unit_roundoff(p.dtype);
+  const Result fast = run_dtype(p, Backend::kFast), ref = run32<double>(p), plain32 = run32<float>(p);
+  const Result ref16 = run_dtype(p, Backend::kReference);
+  auto rounded = [&](const Tensor& t) { return t.converted(p.dtype).to_f32(); };
+  // floor: the fast path's own error beyond 2x plain, relative to max|r|: 4u, or for the LSE
+  // (float32 for every dtype) what its terms allow where that is more. lse = m + log(l): the
+  // largest score m carries the rounding of its dot product, about √D·u·Σ|q·k|·scale in
+  // practice (independent roundings; allowed twice that) plus u·|bias|; the sum l of the
+  // probabilities carries their ~8u (exp2), which the log makes 8u absolute; the sum m + log(l)
+  // rounds by |lse|·u. Plain float32 rounds its scores too, in another order, and can be lucky:
+  // a seed measured fast at 8.6u of max|lse| = 18.6 (D = 55, a bias) against plain's 1.7u.
+  auto expect_bound = [&](const Tensor& f, const Tensor& r, const Tensor& pl32, double u_out, double floor,
+                          const char* what) {
+    const double scale = std::max(finite_max_abs(r), 1e-30);
+    const double ef = abs_error(f, r) / scale, e32 = abs_error(pl32, r) / scale;
+    const double e16 = u_out > 0 ? abs_error(rounded(pl32), r) / scale : e32;
+    EXPECT_LE(ef, std::max(2 * e16, 2 * e32 + floor + u_out))
+        << what << ": fast " << ef << " vs plain16 " << e16 << ", plain32 " << e32 << ", max|ref| " << scale;
+  };
+  const double lse_max = std::max(finite_max_abs(ref.lse), 1e-30);
+  const AttentionInputs in = p.inputs32();
+  const double scale = p.opt.scale ? *p.opt.scale : 1.0 / std::sqrt(static_cast<double>(p.D));
+  double dots = 0;  // max over rows and keys of Σ_c |q_c·k_c|·scale
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t h = 0; h < p.Hq; ++h)
+      for (int64_t i = 0; i < p.Tq; ++i)
+        for (int64_t j = 0; j < p.Tk; ++j) {
+          double sum = 0;
+          for (int64_t c = 0; c < p.D; ++c)
+            sum += std::fabs(double{in.query.at(b, h, i, c)} * in.key.at(b, h / (p.Hq / p.Hkv), j, c));
+          dots = std::max(dots, sum * scale);
+        }
+  const double bias_max = p.bias.defined() ? finite_max_abs(p.bias) : 0.0;
+  const double lse_floor = (2 * std::sqrt(static_cast<double>(p.D)) * dots + bias_max + 8 + 2 * lse_max) * kU;
+  // Where the forward's AMX tiles run (bfloat16, head dims they take), P is rounded to bfloat16
+  // for P·V: a row's output moves by at most (u16/2)·max|v| more (docs/numerics.md).
+  const bool tiles = p.dtype == DType::kBF16 && kernels::forward_amx_bf16() && p.D % 32 == 0 && p.Dv % 16 == 0;
+  const double p_rounding = tiles ? u16 / 2 * finite_max_abs(p.v32) / std::max(finite_max_abs(ref.out), 1e-30) : 0.0;
+  expect_bound(fast.out, ref.out, plain32.out, u16, 4 * kU + p_rounding, "out");
+  expect_bound(fast.lse, ref.lse, plain32.lse, 0.0, std::max(4 * kU, lse_floor / lse_max), "lse");
+  if (p.weights_rank) expect_bound(fast.weights, ref.weights, plain32.weights, u16, 4 * kU, "weights");
+  // The fast 16-bit path widens its inputs exactly and runs the float32 tiles: its results are
+  // the float32 fast path's on the widened inputs, rounded once (round to nearest even). Not so
+  // the decode kernel's bfloat16 keys with bfloat16 dot products, nor the forward's AMX tiles
+  // (other sums, the scale applied after them, P rounded; the bound above holds them): the bits
+  // are checked with the dot products off, which turns both off.
+  const Result widened = run_dots_off(p);
+  Result fast32 = alloc(p, DType::kF32);
+  AttentionOptions fo = p.opt;
+  fo.backend = Backend::kFast;
+  attention(p.inputs32(),
+            {fast32.out.view<float>(), fast32.lse.view<float>(),
+             p.weights_rank ? fast32.weights.view<float>() : View<float>()},
+            fo);
+  EXPECT_TRUE(bitwise_equal(widened.out, rounded(fast32.out))) << "out is not the rounded float32 result";
+  EXPECT_TRUE(bitwise_equal(widened.lse, fast32.lse)) << "lse differs from the float32 path's";
+  if (p.weights_rank) EXPECT_TRUE(bitwise_equal(widened.weights, rounded(fast32.weights)));
+  if (!(p.dtype == DType::kBF16 && kernels::decode_bf16_dots())) {  // then the same path
+    EXPECT_TRUE(bitwise_equal(fast.out, widened.out));
+    EXPECT_TRUE(bitwise_equal(fast.lse, widened.lse));
+  }
+  // The 16-bit reference path is the float64 reference rounded once.
+  EXPECT_LE(abs_error(ref16.out, ref.out), u16 * std::max(finite_max_abs(ref.out), 1e-30) + 1e-30);
+}
+
+}  // namespace mha::test
