@@ -154,5 +154,91 @@ TEST(HalfAmx, ScoresPastTheFloatRangeTakeTheFloatPath) {
   check(inf);
 }
 
+// A thread keeps the value blocks it packs for its later tasks of the same kv head
+// (ThreadValues, within forward_value_keep_limit()); packing every block in every task (limit
+// 0) must give the same bits, on one thread and two, where tasks of a head see blocks whole and
+// in part: several query blocks per head (Tq past 64 / G rows), GQA, both causal alignments,
+// windows with sink tokens, key lengths, masks, values read backwards, a limit below one head.
+TEST(HalfAmx, KeptValueBlocksGiveTheBitsOfPackingEachTime) {
+  if (!kernels::forward_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 here (or no tile state granted): it is not run";
+  const RestoreKernelSwitches restore;
+  Rng rng(base_seed() + 143);
+  for (int trial = 0; trial < 24; ++trial) {
+    Problem p;
+    p.B = rng.range(1, 3);
+    p.Hkv = rng.range(1, 3);
+    p.Hq = p.Hkv * (trial % 3 == 0 ? 4 : 1);
+    p.Tq = rng.range(60, 400);
+    p.Tk = trial % 4 == 0 ? p.Tq : rng.range(1, 500);
+    p.D = 32 * rng.range(1, 4);
+    p.Dv = 16 * rng.range(1, 8);
+    p.bthd = rng.coin(0.3);
+    p.opt.causal = static_cast<Causal>(rng.range(0, 2));
+    if (p.opt.causal != Causal::kNone && rng.coin(0.4)) {
+      p.opt.window = rng.range(1, 200);
+      p.opt.sink_tokens = rng.range(0, 8);
+    }
+    p.make(rng);
+    const std::vector<int64_t> full = {p.B, p.Hq, p.Tq, p.Tk};
+    if (rng.coin(0.25)) p.keep = random_mask(rng, broadcast_shape(rng, full), 0.8);
+    if (rng.coin(0.3)) p.lengths = random_lengths(rng, p.B, p.Tk);
+    SCOPED_TRACE(p.describe());
+    kernels::set_forward_value_keep_limit(0);
+    const Result packed = run_dtype(p, Backend::kFast, 1);
+    for (const size_t limit : {kernels::kDefaultForwardValueKeepLimit, size_t{100} << 10}) {
+      kernels::set_forward_value_keep_limit(limit);
+      for (const int threads : {1, 2}) {
+        const Result kept = run_dtype(p, Backend::kFast, threads);
+        EXPECT_TRUE(bitwise_equal(kept.out, packed.out)) << "limit " << limit << ", threads " << threads;
+        EXPECT_TRUE(bitwise_equal(kept.lse, packed.lse)) << "limit " << limit << ", threads " << threads;
+      }
+    }
+  }
+  // Values read backwards (a negative row stride) through kept blocks.
+  const int64_t Hq = 2, Tq = 200, Tk = 300, D = 64;
+  const Tensor q = random_tensor(rng, {1, Hq, Tq, D}).converted(DType::kBF16);
+  const Tensor k = random_tensor(rng, {1, 1, Tk, D}).converted(DType::kBF16);
+  const Tensor v = random_tensor(rng, {1, 1, Tk, D}).converted(DType::kBF16);
+  auto run = [&] {
+    Tensor out(DType::kBF16, {1, Hq, Tq, D}), lse(DType::kF32, {1, Hq, Tq});
+    BasicAttentionInputs<bfloat16> in;
+    in.query = q.view<bfloat16>();
+    in.key = k.view<bfloat16>();
+    in.value = View<const bfloat16>(v.data<bfloat16>() + (Tk - 1) * D, {1, 1, Tk, D}, {Tk * D, Tk * D, -D, 1});
+    AttentionOptions opt;
+    opt.num_threads = 2;
+    attention(in, {out.view<bfloat16>(), lse.view<float>(), View<bfloat16>()}, opt);
+    return out;
+  };
+  kernels::set_forward_value_keep_limit(0);
+  const Tensor packed = run();
+  kernels::set_forward_value_keep_limit(kernels::kDefaultForwardValueKeepLimit);
+  EXPECT_TRUE(bitwise_equal(run(), packed)) << "values backwards";
+}
+
+// The blocks a thread keeps belong to one call: a second call on the same buffers, after their
+// values changed in place, reads the new values (as a call packing every block does).
+TEST(HalfAmx, KeptValueBlocksDoNotOutliveTheCall) {
+  if (!kernels::forward_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 here (or no tile state granted): it is not run";
+  const RestoreKernelSwitches restore;
+  Rng rng(base_seed() + 144);
+  Problem p;  // one kv head: both calls' tasks are of head 0
+  p.Hkv = 1;
+  p.Hq = 2;
+  p.Tq = 256;
+  p.Tk = 256;
+  p.D = p.Dv = 64;
+  p.make(rng);
+  const Result first = run_dtype(p, Backend::kFast, 1);
+  for (int64_t i = 0; i < p.v16.numel(); ++i) {
+    p.v16.data<bfloat16>()[i] = to_bfloat16(-to_float(p.v16.data<bfloat16>()[i]) + 0.5f);
+  }
+  const Result second = run_dtype(p, Backend::kFast, 1);
+  kernels::set_forward_value_keep_limit(0);
+  const Result packed = run_dtype(p, Backend::kFast, 1);
+  EXPECT_FALSE(bitwise_equal(first.out, packed.out)) << "the values did not change";
+  EXPECT_TRUE(bitwise_equal(second.out, packed.out)) << "the second call read the first call's values";
+}
+
 }  // namespace
 }  // namespace mha::test

@@ -1,6 +1,8 @@
 // Per-thread scratch memory for the kernels: grows to the largest request and is reused across
 // calls, so a kernel touches no fresh pages after warm-up (a page fault costs ~1.6 µs here).
-// Memory per thread is what one task needs: O((D + Dv + key block) × rows).
+// Memory per thread is what one task needs: O((D + Dv + key block) × rows), and what a kernel
+// keeps across its tasks within a stated limit (the backward's packed query blocks, the bfloat16
+// forward's packed values).
 #ifndef MHA_KERNELS_WORKSPACE_H_
 #define MHA_KERNELS_WORKSPACE_H_
 
@@ -33,6 +35,9 @@ class Workspace {
     // probabilities in key pairs, its values transposed, and its key rows where a tile would read
     // past the last.
     kAmxQueryPairs, kAmxProbPairs, kAmxValueT, kAmxKeyStage,
+    // ... and a kv head's value blocks in tile layout, kept across the thread's tasks of the head
+    // (ThreadValues), and which are packed.
+    kAmxThreadValues, kAmxThreadReady,
     // Backward (flash_bwd.cc).
     kBwdDq, kBwdGradP, kBwdDroppedP, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,

@@ -63,6 +63,14 @@ void allow_decode_amx(bool allow);
 // turned off (tests check both paths so).
 bool forward_amx_bf16();
 void allow_forward_amx(bool allow);
+// The most bytes of value blocks in tile layout such a forward keeps per thread, so that a
+// thread interleaves and transposes each block of a kv head once rather than once per query
+// block of the head (flash_amx-inl.h, ThreadValues: one head's blocks, kv_len × Dv words; default
+// 16 MiB; 0 packs every block in every task, which tests compare bit for bit). The results do not
+// depend on it.
+inline constexpr size_t kDefaultForwardValueKeepLimit = size_t{16} << 20;
+size_t forward_value_keep_limit();
+void set_forward_value_keep_limit(size_t bytes);
 // Whether the AVX2 target reads an int4 cache's values with 8-bit integer products on weights
 // rounded to bytes (Int4Output256), and an int8 cache's with 16-bit products on weights rounded
 // to words (Int8Output256), where the CPU has AVX2 and dot products are allowed: tests turn it

@@ -24,6 +24,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -143,13 +144,22 @@ class AmxBlocks {
     }
   }
 
-  // Ot = alpha · Ot + Vᵀ · P for the block's keys 0 .. nv (value rows at v, row stride vs) and
-  // P in St rows 0 .. nv.
-  MHA_AMX_TARGET void Output(const bfloat16* v, int64_t vs, int64_t nv, const float* st, const float* alpha,
-                             float* ot) const {
+  // Vt of the block's keys 0 .. nv (value rows at v, row stride vs) into vt (Dv × kKeyBlock words):
+  // Vt[c][j] = V[j][c], pairs of keys interleaved into dwords, keys nv .. to a multiple of 32 zero.
+  MHA_AMX_TARGET void PackValues(const bfloat16* v, int64_t vs, int64_t nv, uint16_t* vt) const {
+    TransposeValues(v, vs, static_cast<size_t>(nv), static_cast<size_t>(nv + 31) / 32 * 32, vt);
+  }
+
+  // Ot = alpha · Ot + Vᵀ · P for the block's keys 0 .. nv and P in St rows 0 .. nv. vt: the block's
+  // values packed by PackValues, or null to pack them here from v (row stride vs).
+  MHA_AMX_TARGET void Output(const bfloat16* v, int64_t vs, int64_t nv, const uint16_t* vt, const float* st,
+                             const float* alpha, float* ot) const {
     const size_t nk = static_cast<size_t>(nv + 31) / 32 * 32;
     PackProbabilities(st, static_cast<size_t>(nv), nk);
-    TransposeValues(v, vs, static_cast<size_t>(nv), nk);
+    if (vt == nullptr) {
+      PackValues(v, vs, nv, vt_);
+      vt = vt_;
+    }
     __mmask16 rescale = 0;  // once every row's maximum has settled, α = 1 and Ot stays
     for (size_t r = 0; r < M_; r += 16) {
       rescale |= _mm512_cmp_ps_mask(_mm512_load_ps(alpha + r), _mm512_set1_ps(1.0f), _CMP_NEQ_UQ);
@@ -169,7 +179,7 @@ class AmxBlocks {
         float* o = ot + ct * 16 * M_ + rt * 16;
         LoadResults(o, M_, c1, r1);
         // Steps of 32 keys: 64 bytes along a row of Vt, 16 key-pair rows down Pp.
-        const Operands columns{reinterpret_cast<const char*>(vt_ + ct * 16 * kKeyBlock), vb, 16 * vb, 64, c1};
+        const Operands columns{reinterpret_cast<const char*>(vt + ct * 16 * kKeyBlock), vb, 16 * vb, 64, c1};
         const Operands rows{reinterpret_cast<const char*>(pp_ + rt * 16), pb, 64, 16 * pb, r1};
         TileProducts(columns, rows, nk / 32);
         StoreResults(o, M_, c1, r1);
@@ -291,7 +301,7 @@ class AmxBlocks {
 
   // Vt[c][j] = V[j][c] for channels c < Dv and keys j < nk (zero from nv on), 32 keys × 16
   // channels at a time: key pairs interleaved into dwords, then a 16 × 16 dword transpose.
-  MHA_AMX_TARGET void TransposeValues(const bfloat16* v, int64_t vs, size_t nv, size_t nk) const {
+  MHA_AMX_TARGET void TransposeValues(const bfloat16* v, int64_t vs, size_t nv, size_t nk, uint16_t* vt) const {
     const __m256i zero = _mm256_setzero_si256();
     for (size_t k0 = 0; k0 < nk; k0 += 32) {
       for (size_t c0 = 0; c0 < dv_; c0 += 16) {
@@ -307,7 +317,7 @@ class AmxBlocks {
         }
         Transpose16(w);  // w[c]: channel c0 + c of the 32 keys, a pair per dword
         for (size_t c = 0; c < 16; ++c) {
-          _mm512_store_ps(reinterpret_cast<float*>(vt_ + (c0 + c) * kKeyBlock + k0), w[c]);
+          _mm512_store_ps(reinterpret_cast<float*>(vt + (c0 + c) * kKeyBlock + k0), w[c]);
         }
       }
     }
@@ -318,8 +328,72 @@ class AmxBlocks {
   size_t M_, depth_, dv_;
   uint32_t* qp_;      // (D / 2) × M
   uint32_t* pp_;      // (kKeyBlock / 2) × M
-  uint16_t* vt_;      // Dv × kKeyBlock
+  uint16_t* vt_;      // Dv × kKeyBlock: a block's values packed by this task
   uint16_t* kstage_;  // kKeyBlock × D: a block's key rows where its last tile would read past the end
+};
+
+// A thread's value blocks of one kv head in tile layout (PackValues: Dv × kKeyBlock words a
+// block), kept across its tasks of that head in one call, so that it packs a block once rather
+// than once per query block of the head: the packing was 10-12% of the forward's time from
+// T = 512 on (docs/benchmarks.md). Tasks are handed out head by head (flash_plan.h), so a thread
+// does not come back to a head it left and keeps one head's blocks (in its workspace); were it
+// to, it would pack them again. A block the task sees only in part (a window's or a length's
+// edge, the causal diagonal) is packed into the task's scratch, as are all blocks where one
+// head's pass forward_value_keep_limit(). Not shared between threads: one thread's blocks read
+// by another core measured slower than packing them again for T <= 256 and gained less
+// elsewhere. A block's words are the same whoever packs them: the results do not depend on any
+// of this.
+class ThreadValues {
+ public:
+  // For a task of kv head `head` (b · kv_heads + hk) of forward call `call`.
+  ThreadValues(const AttentionParams& p, uint64_t call, int64_t head, Workspace& ws)
+      : per_head_((p.kv_len + kKeyBlock - 1) / kKeyBlock),
+        block_words_(static_cast<size_t>(p.head_dim_v) * kKeyBlock) {
+    const size_t block_bytes = block_words_ * sizeof(uint16_t);
+    if (per_head_ == 0 || static_cast<size_t>(per_head_) > forward_value_keep_limit() / block_bytes) return;
+    words_ = ws.get<uint16_t>(Workspace::kAmxThreadValues, static_cast<size_t>(per_head_) * block_words_);
+    ready_ = ws.get<uint8_t>(Workspace::kAmxThreadReady, static_cast<size_t>(per_head_));
+    Tag& tag = ThreadTag();
+    if (tag.call != call || tag.head != head) {
+      std::fill(ready_, ready_ + per_head_, uint8_t{0});
+      tag = {call, head};
+    }
+  }
+
+  // Block x of the head (a block the task sees whole), packed by pack(words) if this thread has
+  // not packed it yet; null where nothing is kept.
+  template <class Pack>
+  const uint16_t* Block(int64_t x, const Pack& pack) {
+    if (words_ == nullptr) return nullptr;
+    uint16_t* words = words_ + static_cast<size_t>(x) * block_words_;
+    if (!ready_[x]) {
+      pack(words);
+      ready_[x] = 1;
+    }
+    return words;
+  }
+
+  // A number for each forward call, so that a thread's blocks from an earlier call, of the same
+  // head and memory perhaps rewritten since, are not taken for this call's.
+  static uint64_t NextCall() {
+    static std::atomic<uint64_t> calls{0};
+    return calls.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+
+ private:
+  struct Tag {
+    uint64_t call = 0;  // 0: none yet
+    int64_t head = -1;
+  };
+  static Tag& ThreadTag() {
+    thread_local Tag tag;
+    return tag;
+  }
+
+  int64_t per_head_;    // blocks of a head: ⌈kv_len / kKeyBlock⌉
+  size_t block_words_;  // Dv × kKeyBlock
+  uint16_t* words_ = nullptr;  // per_head blocks; null: nothing kept
+  uint8_t* ready_ = nullptr;   // per block: packed by this thread in this call for this head
 };
 
 #undef MHA_AMX_TARGET
@@ -333,7 +407,17 @@ class AmxBlocks {
   static bool Applies(const AttentionParams&) { return false; }
   AmxBlocks(const AttentionParams&, const TaskRows&, Workspace&) {}
   void Scores(const bfloat16*, int64_t, int64_t, int64_t, int64_t, float, float*) const {}
-  void Output(const bfloat16*, int64_t, int64_t, const float*, const float*, float*) const {}
+  void PackValues(const bfloat16*, int64_t, int64_t, uint16_t*) const {}
+  void Output(const bfloat16*, int64_t, int64_t, const uint16_t*, const float*, const float*, float*) const {}
+};
+class ThreadValues {
+ public:
+  ThreadValues(const AttentionParams&, uint64_t, int64_t, Workspace&) {}
+  template <class Pack>
+  const uint16_t* Block(int64_t, const Pack&) {
+    return nullptr;
+  }
+  static uint64_t NextCall() { return 0; }
 };
 
 #endif

@@ -11,7 +11,8 @@
 // and at the end out = Ot / l, lse = m + ln l (Dao et al., FlashAttention-2, 2023,
 // Algorithm 1; the layout with query rows in the SIMD lanes follows gemma.cpp). A row that saw
 // no key has l = 0: its output is 0 and its LSE -inf. Memory: O((D + Dv + Bk) · rows) per thread.
-// For bfloat16 where the CPU has AMX, the two block products are tile products (flash_amx-inl.h).
+// For bfloat16 where the CPU has AMX, the two block products are tile products (flash_amx-inl.h),
+// and a thread keeps a kv head's values packed for them, up to forward_value_keep_limit().
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_fwd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -118,9 +119,11 @@ void WriteRows(DF d, const AttentionParams& p, const TaskRows& t, const float* o
 
 // T: the element type of q, k, v and out. 16-bit keys and values are widened block by block
 // into float32 scratch (kKeyStage, kValueStage: 64 rows each) and the float32 tiles run on it,
-// or for bfloat16 with `tiles` (AmxBlocks::Applies), the block products are tile products.
+// or for bfloat16 with `tiles` (AmxBlocks::Applies), the block products are tile products; `call`
+// numbers the forward call for the value blocks a thread keeps (ThreadValues).
 template <typename T>
-void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, float* row_lse, bool tiles) {
+void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, float* row_lse,
+                 bool tiles, uint64_t call) {
   constexpr bool kWide = std::is_same_v<T, float>;
   const DF d;
   const size_t N = hn::Lanes(d);
@@ -138,6 +141,8 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   if constexpr (std::is_same_v<T, bfloat16>) {
     if (tiles) amx.emplace(p, t, ws);
   }
+  std::optional<ThreadValues> values;
+  if (tiles) values.emplace(p, call, c.b * p.kv_heads + c.hk, ws);
   if (!amx) PackQueries<T>(d, p, t, qt, ws);
   float* kstage = kWide || amx ? nullptr : ws.get<float>(Workspace::kKeyStage, kKeyBlock * D);
   float* vstage = kWide || amx ? nullptr : ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1));
@@ -250,7 +255,14 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
     const size_t jn = static_cast<size_t>(k.nv);
     const T* vblk = vbase + k.a * p.v_stride[2];
     if (amx) {
-      if constexpr (std::is_same_v<T, bfloat16>) amx->Output(vblk, p.v_stride[2], k.nv, st, alpha, ot);
+      if constexpr (std::is_same_v<T, bfloat16>) {
+        // A block the task sees whole is packed once per thread for all its tasks of the head.
+        const uint16_t* vt = nullptr;
+        if (k.a == jb && k.nv == std::min(kKeyBlock, p.kv_len - jb)) {
+          vt = values->Block(jb / kKeyBlock, [&](uint16_t* words) { amx->PackValues(vblk, p.v_stride[2], k.nv, words); });
+        }
+        amx->Output(vblk, p.v_stride[2], k.nv, vt, st, alpha, ot);
+      }
     } else if constexpr (!kWide) {
       StageRows(vblk, p.v_stride[2], p.v_stride[3], 0, k.nv, k.nv - 1, p.head_dim_v, vstage);
       OutputBlock<true>(d, st, M, t.nvec, vstage, p.head_dim_v, 1, jn, Dv, alpha, ot);
@@ -296,8 +308,9 @@ void FlashForward(const AttentionParams& p, float* row_lse, int num_threads) {
   // Decided once per call: every task takes the same path, whatever the threads.
   const bool tiles = AmxBlocks::Applies(p);
   const FlashPlan plan = make_flash_plan(p, tiles ? kAmxRows : kTargetRows, kKeyBlock);
+  const uint64_t call = tiles ? ThreadValues::NextCall() : 0;
   auto run = [&](auto task) {
-    parallel_for(plan.tasks(), num_threads, [&](int64_t i) { task(p, plan, plan.order[i], row_lse, tiles); });
+    parallel_for(plan.tasks(), num_threads, [&](int64_t i) { task(p, plan, plan.order[i], row_lse, tiles, call); });
   };
   switch (p.dtype) {
     case DType::kBF16: run(ForwardTask<bfloat16>); break;

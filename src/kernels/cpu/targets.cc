@@ -31,6 +31,7 @@ std::atomic<bool> byte_values_allowed{true};
 std::atomic<bool> amx_allowed{true};
 std::atomic<bool> forward_amx_allowed{true};
 std::atomic<size_t> pack_limit{kDefaultBackwardPackLimit};
+std::atomic<size_t> value_keep_limit{kDefaultForwardValueKeepLimit};
 
 // Whether the OS lets this process use AMX's tile data: Linux asks for it once per process
 // (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; the kernel then saves the tiles with a
@@ -127,6 +128,10 @@ void allow_forward_amx(bool allow) { forward_amx_allowed.store(allow, std::memor
 size_t backward_pack_limit() { return pack_limit.load(std::memory_order_relaxed); }
 
 void set_backward_pack_limit(size_t bytes) { pack_limit.store(bytes, std::memory_order_relaxed); }
+
+size_t forward_value_keep_limit() { return value_keep_limit.load(std::memory_order_relaxed); }
+
+void set_forward_value_keep_limit(size_t bytes) { value_keep_limit.store(bytes, std::memory_order_relaxed); }
 
 void force_simd_target(const std::string& name) {
   if (name.empty()) {
