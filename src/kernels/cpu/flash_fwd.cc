@@ -131,7 +131,6 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   Workspace& ws = Workspace::local();
   const TaskRows t = MakeRows(p, plan, c.b, c.hk, c.qb, N, ws);
   const size_t M = t.mpad, D = static_cast<size_t>(p.head_dim_qk), Dv = static_cast<size_t>(p.head_dim_v);
-  float* qt = ws.get<float>(Workspace::kQueryT, D * M);
   float* st = ws.get<float>(Workspace::kScores, kKeyBlock * M);
   float* ot = ws.get<float>(Workspace::kOutT, std::max<size_t>(Dv, 1) * M);
   float* m = ws.get<float>(Workspace::kRowMax, M);
@@ -143,6 +142,7 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
   }
   std::optional<ThreadValues> values;
   if (tiles) values.emplace(p, call, c.b * p.kv_heads + c.hk, ws);
+  float* qt = amx ? nullptr : ws.get<float>(Workspace::kQueryT, D * M);  // the tiles pack their own
   if (!amx) PackQueries<T>(d, p, t, qt, ws);
   float* kstage = kWide || amx ? nullptr : ws.get<float>(Workspace::kKeyStage, kKeyBlock * D);
   float* vstage = kWide || amx ? nullptr : ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1));
