@@ -85,28 +85,6 @@ void run_plain(const Problem& pr, Outputs& o) {
     for (int64_t i = 0; i < p.q_len; ++i) kernels::attention_ref_row<float>(p, b, i);
 }
 
-// max |x - ref| over finite ref entries, and equal placement of NaN / infinities.
-double abs_error(const Tensor& got, const Tensor& ref) {
-  double e = 0;
-  for (int64_t i = 0; i < ref.numel(); ++i) {
-    const float g = got.data<float>()[i], r = ref.data<float>()[i];
-    if (std::isnan(r) || std::isinf(r)) {
-      if (!(std::isnan(r) ? std::isnan(g) : g == r)) return std::numeric_limits<double>::infinity();
-      continue;
-    }
-    const double d = std::fabs(static_cast<double>(g) - r);
-    e = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(e, d);
-  }
-  return e;
-}
-
-double finite_max_abs(const Tensor& t) {
-  double m = 0;
-  for (int64_t i = 0; i < t.numel(); ++i)
-    if (std::isfinite(t.data<float>()[i])) m = std::max(m, std::fabs(static_cast<double>(t.data<float>()[i])));
-  return m;
-}
-
 // Checks the fast path against the float64 reference with the 2x-plain rule, for out, lse
 // and (if weights_rank) the weights.
 void check(Problem& pr, int weights_rank = 0) {

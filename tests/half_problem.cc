@@ -48,27 +48,6 @@ Result run32(const Problem& p) {
 template Result run32<double>(const Problem& p);
 template Result run32<float>(const Problem& p);
 
-double abs_error(const Tensor& got, const Tensor& ref) {
-  double e = 0;
-  for (int64_t i = 0; i < ref.numel(); ++i) {
-    const float g = got.data<float>()[i], r = ref.data<float>()[i];
-    if (!std::isfinite(r)) {
-      if (!(std::isnan(r) ? std::isnan(g) : g == r)) return std::numeric_limits<double>::infinity();
-      continue;
-    }
-    const double d = std::fabs(static_cast<double>(g) - r);
-    e = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(e, d);
-  }
-  return e;
-}
-
-double finite_max_abs(const Tensor& t) {
-  double m = 0;
-  for (int64_t i = 0; i < t.numel(); ++i)
-    if (std::isfinite(t.data<float>()[i])) m = std::max(m, std::fabs(static_cast<double>(t.data<float>()[i])));
-  return m;
-}
-
 void check(const Problem& p) {
   SCOPED_TRACE(p.describe());
   const double u16 = unit_roundoff(p.dtype);

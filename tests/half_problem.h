@@ -124,10 +124,6 @@ Result run_dots_off(const Problem& p);
 template <typename Acc>
 Result run32(const Problem& p);
 
-// max |got - ref| over the finite entries of ref; infinite where a non-finite entry differs.
-double abs_error(const Tensor& got, const Tensor& ref);
-double finite_max_abs(const Tensor& t);
-
 // The fast path against the float64 reference within the bound above (with the AMX tiles' P
 // rounding where they run), and its exact bits against the float32 fast path.
 void check(const Problem& p);

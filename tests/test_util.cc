@@ -103,6 +103,27 @@ double max_abs(const View<const float>& v) {
   return m;
 }
 
+double abs_error(const Tensor& got, const Tensor& ref) {
+  double e = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i) {
+    const float g = got.data<float>()[i], r = ref.data<float>()[i];
+    if (!std::isfinite(r)) {
+      if (!(std::isnan(r) ? std::isnan(g) : g == r)) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    const double d = std::fabs(static_cast<double>(g) - r);
+    e = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(e, d);
+  }
+  return e;
+}
+
+double finite_max_abs(const Tensor& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (std::isfinite(t.data<float>()[i])) m = std::max(m, std::fabs(static_cast<double>(t.data<float>()[i])));
+  return m;
+}
+
 double rel_error(const View<const float>& got, const View<const float>& want) {
   EXPECT_EQ(got.numel(), want.numel());
   std::vector<double> w;

@@ -64,6 +64,10 @@ Tensor random_lengths(Rng& rng, int64_t B, int64_t Tk);
 // max |a - b| / max(max |b|, tiny): the norm-wise relative error used throughout (numerics.md).
 double rel_error(const View<const float>& got, const View<const float>& want);
 double max_abs(const View<const float>& v);
+// Float32 tensors: max |got - ref| over the finite entries of ref, infinite unless got has the
+// same NaN and infinities where ref does; and max |t| over t's finite entries.
+double abs_error(const Tensor& got, const Tensor& ref);
+double finite_max_abs(const Tensor& t);
 
 // Same memory layout, NaN-aware: true if both are NaN at the same places and equal elsewhere.
 bool bitwise_equal(const Tensor& a, const Tensor& b);
