@@ -347,7 +347,7 @@ class ThreadValues {
  public:
   // For a task of kv head `head` (b · kv_heads + hk) of forward call `call`.
   ThreadValues(const AttentionParams& p, uint64_t call, int64_t head, Workspace& ws)
-      : per_head_((p.kv_len + kKeyBlock - 1) / kKeyBlock),
+      : per_head_(p.kv_len / kKeyBlock + (p.kv_len % kKeyBlock != 0)),  // no kv_len + 63 to overflow
         block_words_(static_cast<size_t>(p.head_dim_v) * kKeyBlock) {
     const size_t block_bytes = block_words_ * sizeof(uint16_t);
     if (per_head_ == 0 || static_cast<size_t>(per_head_) > forward_value_keep_limit() / block_bytes) return;
