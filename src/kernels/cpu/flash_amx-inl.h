@@ -334,12 +334,12 @@ class AmxBlocks {
 
 // A thread's value blocks of one kv head in tile layout (PackValues: Dv × kKeyBlock words a
 // block), kept across its tasks of that head in one call, so that it packs a block once rather
-// than once per query block of the head: the packing was 10-12% of the forward's time from
-// T = 512 on (docs/benchmarks.md). Tasks are handed out head by head (flash_plan.h), so a thread
+// than once per query block of the head: that saved 8-13% of the forward's time from T = 512 on
+// (docs/benchmarks.md). Tasks are handed out head by head (flash_plan.h), so a thread
 // does not come back to a head it left and keeps one head's blocks (in its workspace); were it
 // to, it would pack them again. A block the task sees only in part (a window's or a length's
-// edge, the causal diagonal) is packed into the task's scratch, as are all blocks where one
-// head's pass forward_value_keep_limit(). Not shared between threads: one thread's blocks read
+// edge, the causal diagonal) is packed into the task's scratch, as is every block where one
+// head's blocks take more than forward_value_keep_limit(). Not shared between threads: one thread's blocks read
 // by another core measured slower than packing them again for T <= 256 and gained less
 // elsewhere. A block's words are the same whoever packs them: the results do not depend on any
 // of this.

@@ -259,7 +259,8 @@ void ForwardTask(const AttentionParams& p, const FlashPlan& plan, int64_t task, 
         // A block the task sees whole is packed once per thread for all its tasks of the head.
         const uint16_t* vt = nullptr;
         if (k.a == jb && k.nv == std::min(kKeyBlock, p.kv_len - jb)) {
-          vt = values->Block(jb / kKeyBlock, [&](uint16_t* words) { amx->PackValues(vblk, p.v_stride[2], k.nv, words); });
+          auto pack = [&](uint16_t* words) { amx->PackValues(vblk, p.v_stride[2], k.nv, words); };
+          vt = values->Block(jb / kKeyBlock, pack);
         }
         amx->Output(vblk, p.v_stride[2], k.nv, vt, st, alpha, ot);
       }
