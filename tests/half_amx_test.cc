@@ -77,6 +77,28 @@ TEST(HalfAmx, ForwardTilesStayWithinTheBound) {
   EXPECT_GE(moved, problems / 2) << "the tile path did not run";
 }
 
+// attention() on bfloat16 q (1, Hq, Tq, D) against one kv head's key and value views, on
+// `threads` (0: all); the output in bfloat16.
+Tensor AttendBf16(const Tensor& q, const View<const bfloat16>& key, const View<const bfloat16>& value,
+                  int threads = 0) {
+  const int64_t Hq = q.shape()[1], Tq = q.shape()[2], Dv = value.shape[3];
+  Tensor out(DType::kBF16, {1, Hq, Tq, Dv}), lse(DType::kF32, {1, Hq, Tq});
+  BasicAttentionInputs<bfloat16> in;
+  in.query = q.view<bfloat16>();
+  in.key = key;
+  in.value = value;
+  AttentionOptions opt;
+  opt.num_threads = threads;
+  attention(in, {out.view<bfloat16>(), lse.view<float>(), View<bfloat16>()}, opt);
+  return out;
+}
+
+// The rows of t (1, 1, T, D) seen last to first through a negative row stride.
+View<const bfloat16> Backwards(const Tensor& t) {
+  const int64_t T = t.shape()[2], D = t.shape()[3];
+  return View<const bfloat16>(t.data<bfloat16>() + (T - 1) * D, {1, 1, T, D}, {T * D, T * D, -D, 1});
+}
+
 // Keys and values seen backwards through negative row strides (values read so by the tiles,
 // keys by the float32 tiles: a tile load steps forward) give what the same rows copied in that
 // order give, within the tiles' rounding: attention without a mask does not depend on key order.
@@ -95,17 +117,9 @@ TEST(HalfAmx, ReversedRowsThroughNegativeStrides) {
     }
   }
   auto run = [&](const View<const bfloat16>& key, const View<const bfloat16>& value) {
-    Tensor out(DType::kBF16, {1, Hq, Tq, D}), lse(DType::kF32, {1, Hq, Tq});
-    BasicAttentionInputs<bfloat16> in;
-    in.query = q.view<bfloat16>();
-    in.key = key;
-    in.value = value;
-    attention(in, {out.view<bfloat16>(), lse.view<float>(), View<bfloat16>()});
-    return out.to_f32();
+    return AttendBf16(q, key, value).to_f32();
   };
-  const std::initializer_list<int64_t> backwards = {Tk * D, Tk * D, -D, 1};
-  const View<const bfloat16> k_back(k.data<bfloat16>() + (Tk - 1) * D, {1, 1, Tk, D}, backwards);
-  const View<const bfloat16> v_back(v.data<bfloat16>() + (Tk - 1) * D, {1, 1, Tk, D}, backwards);
+  const View<const bfloat16> k_back = Backwards(k), v_back = Backwards(v);
   const Tensor copied = run(k_rev.view<bfloat16>(), v_rev.view<bfloat16>());
   const double bound = 2 * unit_roundoff(DType::kBF16) * finite_max_abs(copied);
   EXPECT_LE(abs_error(run(k_rev.view<bfloat16>(), v_back), copied), bound) << "values backwards (tiles)";
@@ -199,17 +213,7 @@ TEST(HalfAmx, KeptValueBlocksGiveTheBitsOfPackingEachTime) {
   const Tensor q = random_tensor(rng, {1, Hq, Tq, D}).converted(DType::kBF16);
   const Tensor k = random_tensor(rng, {1, 1, Tk, D}).converted(DType::kBF16);
   const Tensor v = random_tensor(rng, {1, 1, Tk, D}).converted(DType::kBF16);
-  auto run = [&] {
-    Tensor out(DType::kBF16, {1, Hq, Tq, D}), lse(DType::kF32, {1, Hq, Tq});
-    BasicAttentionInputs<bfloat16> in;
-    in.query = q.view<bfloat16>();
-    in.key = k.view<bfloat16>();
-    in.value = View<const bfloat16>(v.data<bfloat16>() + (Tk - 1) * D, {1, 1, Tk, D}, {Tk * D, Tk * D, -D, 1});
-    AttentionOptions opt;
-    opt.num_threads = 2;
-    attention(in, {out.view<bfloat16>(), lse.view<float>(), View<bfloat16>()}, opt);
-    return out;
-  };
+  auto run = [&] { return AttendBf16(q, k.view<bfloat16>(), Backwards(v), 2); };
   kernels::set_forward_value_keep_limit(0);
   const Tensor packed = run();
   kernels::set_forward_value_keep_limit(kernels::kDefaultForwardValueKeepLimit);
