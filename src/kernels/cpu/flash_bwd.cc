@@ -205,7 +205,7 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   // packed again for every key block (they were ~11% of a training step at T = 256 so).
   const size_t packed_floats = (std::max<size_t>(D, 1) + std::max<size_t>(Dv, 1) + Dp + Dvp) * mmax;
   const size_t q_blocks = static_cast<size_t>(plan.q_blocks);
-  const bool keep_packed = q_blocks * packed_floats <= backward_pack_limit() / sizeof(float);
+  const bool keep_packed = q_blocks <= backward_pack_limit() / sizeof(float) / packed_floats;  // no product to wrap
   float* packed = ws.get<float>(Workspace::kBwdPacked, (keep_packed ? q_blocks : 1) * packed_floats);
   uint8_t* is_packed = ws.get<uint8_t>(Workspace::kBwdPackedBlocks, q_blocks);
   std::fill(is_packed, is_packed + q_blocks, 0);
