@@ -22,6 +22,7 @@ void restore_kernel_switches() {
   kernels::allow_decode_byte_values(true);
   kernels::allow_decode_amx(true);
   kernels::allow_forward_amx(true);
+  kernels::allow_backward_amx(true);
   kernels::set_backward_pack_limit(kernels::kDefaultBackwardPackLimit);
   kernels::set_forward_value_keep_limit(kernels::kDefaultForwardValueKeepLimit);
 }

@@ -21,9 +21,9 @@ namespace mha::test {
 uint64_t base_seed();
 
 // Puts back the kernels' run-time switches that a test changed (kernels/cpu/flash.h): the SIMD
-// target, the decode kernel's dot products, VNNI, byte values, AMX (decode and forward). RestoreKernelSwitches does it
-// when it goes out of scope, also when an assertion ends the test early, so that no later test
-// runs on a switch left off.
+// target, the decode kernel's dot products, VNNI, byte values, AMX (decode, forward, backward).
+// RestoreKernelSwitches does it when it goes out of scope, also when an assertion ends the test
+// early, so that no later test runs on a switch left off.
 void restore_kernel_switches();
 // Whether the decode kernel, on its default target, rounds an int4 cache's value pass: its
 // weights to bfloat16 (AVX3, AVX-512 BF16) or to bytes (AVX2, or AVX3 with VNNI and VBMI).

@@ -47,7 +47,8 @@ int run_info() {
   fmt::print("attention forward: {}\n", kernels::flash_forward_name());
   fmt::print("element types:     float32; bfloat16 and float16 widened to float32 as read, results rounded once{}\n",
              kernels::forward_amx_bf16() ? " (bfloat16 forward: AMX tile products for head dims D % 32 == 0 and "
-                                           "Dv % 16 == 0, P rounded to bfloat16)"
+                                           "Dv % 16 == 0, P rounded to bfloat16; backward: for Dv % 32 == 0, P and "
+                                           "dS rounded to bfloat16)"
                                          : "");
   fmt::print("reference:         attention_ref_f64 (Backend::kReference)\n");
   const dnnl_version_t* v = dnnl_version();

@@ -41,10 +41,14 @@ class Workspace {
     // Backward (flash_bwd.cc).
     kBwdDq, kBwdGradP, kBwdDroppedP, kBwdKeyBlock,
     kBwdDkBlock, kBwdDvBlock, kBwdDqGroup, kBwdLse, kBwdRowDot, kBwdRowStats, kBwdGradOutStage,
-    kBwdSoftcapGrad, kBwdScoreGrad,
+    kBwdSoftcapGrad, kBwdScoreGrad, kBwdRowScratch,
     // The backward's query blocks, Q and dO in both layouts (all of a task's, or one at a time),
     // and which of them are packed.
     kBwdPacked, kBwdPackedBlocks,
+    // The bfloat16 backward with AMX tiles (flash_bwd_amx-inl.h): the key block transposed, a
+    // block pair's P_d and dS rounded (and dS in key pairs), and the task's dQ transposed per
+    // query block.
+    kAmxBwdKeysT, kAmxBwdProbs, kAmxBwdGrads, kAmxBwdGradPairs, kAmxBwdDqT,
     // attention_backward (src/ops/attention_backward.cc): a broadcast bias's full gradient.
     kBwdBiasGradFull,
     // Decoding (flash_decode.cc).

@@ -117,6 +117,28 @@ HWY_INLINE void RowToFloat(const T* src, int64_t stride, size_t n, float* HWY_RE
   }
 }
 
+// dst[0], dst[stride], ... = src[0..n) · scale, rounded to T as to_bfloat16 / to_float16 round.
+template <typename T>
+HWY_INLINE void RowFromFloat(const float* HWY_RESTRICT src, float scale, size_t n, T* dst, int64_t stride) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  size_t i = 0;
+  if (stride == 1) {
+    for (; i + N <= n; i += N) StoreFromFloat(d, hn::Mul(hn::LoadU(d, src + i), hn::Set(d, scale)), N, dst + i);
+  }
+  for (; i < n; ++i) {
+    const float x = src[i] * scale;
+    T& out = dst[static_cast<int64_t>(i) * stride];
+    if constexpr (std::is_same_v<T, float>) {
+      out = x;
+    } else if constexpr (std::is_same_v<T, bfloat16>) {
+      out = to_bfloat16(x);
+    } else {
+      out = to_float16(x);
+    }
+  }
+}
+
 }  // namespace mha::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 

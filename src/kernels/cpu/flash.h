@@ -63,6 +63,12 @@ void allow_decode_amx(bool allow);
 // turned off (tests check both paths so).
 bool forward_amx_bf16();
 void allow_forward_amx(bool allow);
+// Whether the AVX3 target's backward takes a bfloat16 block's five products (Q·Kᵀ, dO·Vᵀ, Pᵀ·dO,
+// dSᵀ·Q, dS·K) with AMX's tile products (flash_bwd_amx-inl.h; head dims D % 32 == 0 and
+// Dv % 32 == 0, unit-stride K and V rows laid forward): under the same conditions as the forward,
+// and turned off on its own.
+bool backward_amx_bf16();
+void allow_backward_amx(bool allow);
 // The most bytes of value blocks in tile layout such a forward keeps per thread, so that a
 // thread interleaves and transposes each block of a kv head once rather than once per query
 // block of the head (flash_amx-inl.h, ThreadValues: one head's blocks, kv_len × Dv words; default

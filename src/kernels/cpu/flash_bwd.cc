@@ -1,5 +1,7 @@
 // The fast attention backward (FlashAttention-2, Algorithm 2, adapted to the CPU), float32 (and
-// bfloat16/float16 arguments widened as they are read), compiled per SIMD target like the forward.
+// bfloat16/float16 arguments widened as they are read), compiled per SIMD target like the forward;
+// for bfloat16 where the CPU has AMX, the five block products below are tile products
+// (flash_bwd_amx-inl.h) in the same block layout, with P_d and dS rounded to bfloat16.
 //
 // A task is one (batch, kv head): all its key blocks (outer loop) against all query blocks of
 // its G query heads (inner loop). Per pair of blocks, with query rows in the lanes as in the
@@ -19,14 +21,17 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/flash_blocks-inl.h"
+#include "kernels/cpu/flash_bwd_amx-inl.h"
 #include "kernels/cpu/flash_plan.h"
 #include "util/parallel.h"
 
@@ -112,6 +117,27 @@ void PackRows(const TaskRows& t, const T* src, const Strides4& st, int64_t width
 
 size_t RoundUp(size_t x, size_t n) { return (x + n - 1) / n * n; }
 
+// Σ a[c]·b[c] in double: each product is exact, the sum in vector lanes (a serial sum of one
+// add per element was ~8% of a bfloat16 backward at T = 256).
+double DotDouble(const float* a, const float* b, size_t n) {
+#if HWY_HAVE_FLOAT64
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  const size_t N = hn::Lanes(dd);
+  auto acc = hn::Zero(dd);
+  size_t c = 0;
+  for (; c + N <= n; c += N) {
+    acc = hn::MulAdd(hn::PromoteTo(dd, hn::LoadU(df, a + c)), hn::PromoteTo(dd, hn::LoadU(df, b + c)), acc);
+  }
+  double sum = hn::GetLane(hn::SumOfLanes(dd, acc));
+#else
+  double sum = 0;
+  size_t c = 0;
+#endif
+  for (; c < n; ++c) sum += static_cast<double>(a[c]) * b[c];
+  return sum;
+}
+
 // Key 0 of task row r's row in g.grad_scores (B, Hq, Tq, Tk).
 float* ScoreGradRow(const AttentionGradParams& g, const TaskRows& t, size_t r) {
   const Strides4& s = g.grad_scores_stride;
@@ -165,10 +191,11 @@ void ZeroScoreGrads(const AttentionGradParams& g, const TaskRows& t, int64_t a, 
 }
 
 // T: the element type of q, k, v, out, dO and the gradients. 16-bit ones are widened as they are
-// read (K and V a block at a time, into float32 scratch) and the gradients rounded once.
+// read (K and V a block at a time, into float32 scratch) and the gradients rounded once; or, for
+// bfloat16 with `tiles`, the five block products are tile products.
 template <typename T>
 void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const FlashPlan& plan, int64_t b,
-                  int64_t hk) {
+                  int64_t hk, bool tiles) {
   constexpr bool kWide = std::is_same_v<T, float>;
   const DF d;
   const size_t N = hn::Lanes(d);
@@ -177,52 +204,59 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
   const size_t Dp = RoundUp(D, N), Dvp = RoundUp(Dv, N);
   Workspace& ws = Workspace::local();
   const size_t mmax = RoundUp(static_cast<size_t>(plan.rows), N);
+  std::optional<AmxGrads> amx;
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (tiles) amx.emplace(p, g, mmax, ws);
+  }
   float* st = ws.get<float>(Workspace::kScores, kKeyBlock * mmax);  // scores, then P, then dS
   float* dpt = ws.get<float>(Workspace::kBwdGradP, kKeyBlock * mmax);  // dP
   float* pdt = ws.get<float>(Workspace::kBwdDroppedP, kKeyBlock * mmax);  // P with dropout (for dV)
-  float* kblk = ws.get<float>(Workspace::kBwdKeyBlock, kKeyBlock * Dp);
+  float* kblk = amx ? nullptr : ws.get<float>(Workspace::kBwdKeyBlock, kKeyBlock * Dp);
   float* dk = ws.get<float>(Workspace::kBwdDkBlock, kKeyBlock * Dp);
   float* dv = ws.get<float>(Workspace::kBwdDvBlock, kKeyBlock * Dvp);
-  float* dq = ws.get<float>(Workspace::kBwdDqGroup, static_cast<size_t>(G * Tq) * Dp);
+  const size_t q_blocks = static_cast<size_t>(plan.q_blocks);
+  // dQ of the task's rows, or with the tiles, of each query block transposed (D × mmax).
+  const size_t dq_floats = amx ? q_blocks * D * mmax : static_cast<size_t>(G * Tq) * Dp;
+  float* dq = ws.get<float>(amx ? Workspace::kAmxBwdDqT : Workspace::kBwdDqGroup, dq_floats);
   float* lse = ws.get<float>(Workspace::kBwdLse, static_cast<size_t>(G * Tq));
   float* drow = ws.get<float>(Workspace::kBwdRowDot, static_cast<size_t>(G * Tq));
   float* rowvec = ws.get<float>(Workspace::kBwdRowStats, 2 * mmax);  // per q block: lse and D of its rows
   // K and V blocks are read once per query block: from a float32 copy (kblk, vstage) when they
   // are 16-bit or their rows are not adjacent ((B, T, H, D) layouts: every row on its own page, a
   // TLB miss per row and query block; ~10% of the backward's time at T = 2048).
-  const bool stage_k = !kWide || p.k_stride[3] != 1 || p.k_stride[2] != p.head_dim_qk;
-  const bool stage_v = !kWide || p.v_stride[3] != 1 || p.v_stride[2] != p.head_dim_v;
+  const bool stage_k = !amx && (!kWide || p.k_stride[3] != 1 || p.k_stride[2] != p.head_dim_qk);
+  const bool stage_v = !amx && (!kWide || p.v_stride[3] != 1 || p.v_stride[2] != p.head_dim_v);
   float* vstage = stage_v ? ws.get<float>(Workspace::kValueStage, kKeyBlock * std::max<size_t>(Dv, 1)) : nullptr;
-  float* qstage = kWide ? nullptr : ws.get<float>(Workspace::kQueryStage, mmax * D);
+  float* qstage = kWide || amx ? nullptr : ws.get<float>(Workspace::kQueryStage, mmax * D);
   float* capgrad = p.softcap > 0 ? ws.get<float>(Workspace::kBwdSoftcapGrad, kKeyBlock * mmax) : nullptr;
   // The bias's gradient: dS before the softcap's factor (st itself when there is none).
   float* score_grad = g.grad_scores && capgrad ? ws.get<float>(Workspace::kBwdScoreGrad, kKeyBlock * mmax) : st;
-  float* dostage = kWide ? nullptr : ws.get<float>(Workspace::kBwdGradOutStage, mmax * std::max<size_t>(Dv, 1));
-  std::fill(dq, dq + static_cast<size_t>(G * Tq) * Dp, 0.0f);
+  float* dostage =
+      kWide || amx ? nullptr : ws.get<float>(Workspace::kBwdGradOutStage, mmax * std::max<size_t>(Dv, 1));
+  std::fill(dq, dq + dq_floats, 0.0f);
   // Each query block's Q and dO in both layouts: Q transposed and scaled (qt), dO transposed
   // (dot), Q and dO as padded rows (qrows, dorows). Packed on the block's first key block and
   // kept for the others where all blocks fit backward_pack_limit(); else one block's room,
-  // packed again for every key block (they were ~11% of a training step at T = 256 so).
-  const size_t packed_floats = (std::max<size_t>(D, 1) + std::max<size_t>(Dv, 1) + Dp + Dvp) * mmax;
-  const size_t q_blocks = static_cast<size_t>(plan.q_blocks);
+  // packed again for every key block (they were ~11% of a training step at T = 256 so). The
+  // tiles pack their own operands (AmxGrads::Pack), in as many 4-byte words.
+  const size_t packed_floats =
+      amx ? AmxGrads::PackedWords(p, mmax) : (std::max<size_t>(D, 1) + std::max<size_t>(Dv, 1) + Dp + Dvp) * mmax;
   const bool keep_packed = q_blocks <= backward_pack_limit() / sizeof(float) / packed_floats;  // no product to wrap
   float* packed = ws.get<float>(Workspace::kBwdPacked, (keep_packed ? q_blocks : 1) * packed_floats);
   uint8_t* is_packed = ws.get<uint8_t>(Workspace::kBwdPackedBlocks, q_blocks);
   std::fill(is_packed, is_packed + q_blocks, 0);
 
-  // Per row of the task: the forward's LSE and D = rowsum(dO ⊙ O).
+  // Per row of the task: the forward's LSE and D = rowsum(dO ⊙ O), summed in double (DotDouble).
+  float* rows = ws.get<float>(Workspace::kBwdRowScratch, 2 * std::max(Dv, D));  // a row or two as float32
   for (int64_t gg = 0; gg < G; ++gg) {
     const int64_t h = hk * G + gg;
     for (int64_t i = 0; i < Tq; ++i) {
-      const int64_t o = b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-      const int64_t go = b * g.grad_out_stride[0] + h * g.grad_out_stride[1] + i * g.grad_out_stride[2];
-      double acc = 0;
-      for (size_t c = 0; c < Dv; ++c) {
-        const int64_t cc = static_cast<int64_t>(c);
-        acc += static_cast<double>(load_element(p.out, o + cc * p.out_stride[3], p.dtype)) *
-               load_element(g.grad_out, go + cc * g.grad_out_stride[3], p.dtype);
-      }
-      drow[gg * Tq + i] = static_cast<float>(acc);
+      const T* o = static_cast<const T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+      const T* go = static_cast<const T*>(g.grad_out) + b * g.grad_out_stride[0] + h * g.grad_out_stride[1] +
+                    i * g.grad_out_stride[2];
+      RowToFloat(o, p.out_stride[3], Dv, rows);
+      RowToFloat(go, g.grad_out_stride[3], Dv, rows + Dv);
+      drow[gg * Tq + i] = static_cast<float>(DotDouble(rows, rows + Dv, Dv));
       const float l = p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]];
       lse[gg * Tq + i] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l;
     }
@@ -230,6 +264,11 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
 
   const T* kbase = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
   const T* vbase = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  // K and V rows as the tiles take them (bfloat16 only; they run for no other T).
+  auto tile_rows = [](const T* x) -> const bfloat16* {
+    if constexpr (std::is_same_v<T, bfloat16>) return x;
+    return nullptr;
+  };
   const T* qsrc = static_cast<const T*>(p.q);
   const T* dosrc = static_cast<const T*>(g.grad_out);
   const Dropout drop(p.dropout_p, p.dropout_seed);
@@ -239,7 +278,8 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
     const size_t nk = static_cast<size_t>(std::min(kKeyBlock, p.kv_len - jb));
     std::fill(dk, dk + kKeyBlock * Dp, 0.0f);
     std::fill(dv, dv + kKeyBlock * Dvp, 0.0f);
-    for (size_t j = 0; j < nk; ++j) {  // K rows of the block, padded: the dQ product loads them
+    if (amx) amx->PackKeys(tile_rows(kbase + jb * p.k_stride[2]), p.k_stride[2], nk);  // for the dQ product
+    for (size_t j = 0; j < nk && !amx; ++j) {  // K rows of the block, padded: the dQ product loads them
       float* kr = kblk + j * Dp;
       RowToFloat(kbase + (jb + static_cast<int64_t>(j)) * p.k_stride[2], p.k_stride[3], D, kr);
       std::fill(kr + D, kr + Dp, 0.0f);
@@ -272,7 +312,11 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       float* dot = qt + std::max<size_t>(D, 1) * mmax;
       float* qrows = dot + std::max<size_t>(Dv, 1) * mmax;
       float* dorows = qrows + Dp * mmax;
-      if (!is_packed[qb]) {
+      uint32_t* words = reinterpret_cast<uint32_t*>(qt);  // the tiles' packing
+      if (!is_packed[qb] && amx) {
+        amx->Pack(t, words);
+        is_packed[qb] = keep_packed;
+      } else if (!is_packed[qb]) {
         PackTransposed(d, t, qsrc, p.q_stride, p.head_dim_qk, p.scale, qt, qstage);
         PackTransposed(d, t, dosrc, g.grad_out_stride, p.head_dim_v, 1.0f, dot, dostage);
         PackRows(t, qsrc, p.q_stride, p.head_dim_qk, Dp, qrows);
@@ -289,7 +333,9 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
 
       // S and P, exactly as the forward's weights pass.
       const int64_t kb = k.a - jb;  // the block's first key in kblk / vstage
-      if (stage_k) {
+      if (amx) {
+        amx->Scores(t, words, tile_rows(kbase), p.k_stride[2], k.a, k.n, p.kv_len - 1, st);
+      } else if (stage_k) {
         ScoresBlock<true>(d, qt, M, t.nvec, kblk, static_cast<int64_t>(Dp), 1, kb, k.n, static_cast<int64_t>(nk), D, st);
       } else if constexpr (kWide) {  // contiguous float32 rows, read in place
         ScoresBlock<true>(d, qt, M, t.nvec, kbase, p.k_stride[2], 1, k.a, k.n, p.kv_len, D, st);
@@ -297,7 +343,9 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
       if (p.softcap > 0) SoftcapBlock(d, p.softcap, k.n, M, st, capgrad);
       if (NeedsMask(p, k)) MaskBlock(d, p, t, k, st);
       // dP = V · dOᵀ for the same keys (rows of V past Tk read the last row; their P is 0).
-      if (stage_v) {
+      if (amx) {
+        amx->GradP(t, words, tile_rows(vbase), p.v_stride[2], k.a, k.n, p.kv_len - 1, dpt);
+      } else if (stage_v) {
         ScoresBlock<true>(d, dot, M, t.nvec, vstage, p.head_dim_v, 1, kb, k.n, static_cast<int64_t>(nk), Dv, dpt);
       } else if constexpr (kWide) {
         ScoresBlock<true>(d, dot, M, t.nvec, vbase, p.v_stride[2], 1, k.a, k.n, p.kv_len, Dv, dpt);
@@ -330,6 +378,10 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
         }
       if (g.grad_scores) WriteScoreGrads(d, p, g, t, k, score_grad);
       const size_t nv = static_cast<size_t>(k.nv), koff = static_cast<size_t>(k.a - jb);
+      if (amx) {
+        amx->Products(t, words, pdt, st, koff, nv, dv, dk, dq + static_cast<size_t>(qb) * D * mmax);
+        continue;
+      }
       // dV[j] += Σ_r P_d[j][r] · dO[r];  dK[j] += Σ_r dS[j][r] · Q[r]   (x = r, a = j)
       Outer(d, pdt, 1, static_cast<int64_t>(M), dorows, Dvp, M, nv, Dvp, dv + koff * Dvp, Dvp);
       Outer(d, st, 1, static_cast<int64_t>(M), qrows, Dp, M, nv, Dp, dk + koff * Dp, Dp);
@@ -343,28 +395,32 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
         for (size_t c = 0; c < D; ++c) dst[c] += dq_blk[r * Dp + c];
       }
     }
-    // dK = scale · dSᵀQ, dV: every key of the block is written (zeros if no row saw it).
+    // dK = scale · dSᵀQ, dV: every key of the block is written (zeros if no row saw it: dk and dv
+    // as filled, with a factor 1 so that a negative scale gives no -0).
     for (size_t j = 0; j < nk; ++j) {
       const int64_t key = jb + static_cast<int64_t>(j);
-      const int64_t gk = b * g.grad_k_stride[0] + hk * g.grad_k_stride[1] + key * g.grad_k_stride[2];
-      const int64_t gv = b * g.grad_v_stride[0] + hk * g.grad_v_stride[1] + key * g.grad_v_stride[2];
-      for (size_t c = 0; c < D; ++c) {
-        store_element(g.grad_k, gk + static_cast<int64_t>(c) * g.grad_k_stride[3], touched ? dk[j * Dp + c] * p.scale : 0.0f,
-                      p.dtype);
-      }
-      for (size_t c = 0; c < Dv; ++c) {
-        store_element(g.grad_v, gv + static_cast<int64_t>(c) * g.grad_v_stride[3], touched ? dv[j * Dvp + c] : 0.0f,
-                      p.dtype);
-      }
+      T* gk = static_cast<T*>(g.grad_k) + b * g.grad_k_stride[0] + hk * g.grad_k_stride[1] + key * g.grad_k_stride[2];
+      T* gv = static_cast<T*>(g.grad_v) + b * g.grad_v_stride[0] + hk * g.grad_v_stride[1] + key * g.grad_v_stride[2];
+      RowFromFloat(dk + j * Dp, touched ? p.scale : 1.0f, D, gk, g.grad_k_stride[3]);
+      RowFromFloat(dv + j * Dvp, 1.0f, Dv, gv, g.grad_v_stride[3]);
     }
   }
-  for (int64_t gg = 0; gg < G; ++gg) {
+  for (int64_t qb = 0; qb < plan.q_blocks && amx; ++qb) {  // dQ from the tiles' dQᵀ of each query block
+    const TaskRows t = MakeRows(p, plan, b, hk, qb, N, ws);
+    const float* src = dq + static_cast<size_t>(qb) * D * mmax;
+    for (size_t r = 0; r < t.mpad; ++r) {
+      if (!t.valid[r]) continue;
+      T* gq = static_cast<T*>(g.grad_q) + b * g.grad_q_stride[0] + t.head[r] * g.grad_q_stride[1] +
+              t.query[r] * g.grad_q_stride[2];
+      for (size_t c = 0; c < D; ++c) rows[c] = src[c * t.mpad + r];
+      RowFromFloat(rows, p.scale, D, gq, g.grad_q_stride[3]);
+    }
+  }
+  for (int64_t gg = 0; gg < G && !amx; ++gg) {
     const int64_t h = hk * G + gg;
     for (int64_t i = 0; i < Tq; ++i) {
-      const int64_t gq = b * g.grad_q_stride[0] + h * g.grad_q_stride[1] + i * g.grad_q_stride[2];
-      const float* src = dq + static_cast<size_t>(gg * Tq + i) * Dp;
-      for (size_t c = 0; c < D; ++c)
-        store_element(g.grad_q, gq + static_cast<int64_t>(c) * g.grad_q_stride[3], src[c] * p.scale, p.dtype);
+      T* gq = static_cast<T*>(g.grad_q) + b * g.grad_q_stride[0] + h * g.grad_q_stride[1] + i * g.grad_q_stride[2];
+      RowFromFloat(dq + static_cast<size_t>(gg * Tq + i) * Dp, p.scale, D, gq, g.grad_q_stride[3]);
     }
   }
 }
@@ -372,9 +428,23 @@ void BackwardTask(const AttentionParams& p, const AttentionGradParams& g, const 
 }  // namespace
 
 void FlashBackward(const AttentionParams& p, const AttentionGradParams& g, int num_threads) {
-  const FlashPlan plan = make_flash_plan(p, kTargetRows, kKeyBlock);
+  // The tiles where they apply and every argument is finite (AmxGrads::Finite; a pass over Q, K,
+  // V and dO, a few percent of the backward's time), so that a call gives the float32 tiles' bits
+  // or the tiles' whatever its thread count.
+  bool tiles = AmxGrads::Applies(p);
+  if (tiles) {
+    std::atomic<bool> finite{true};
+    parallel_for(p.batch * p.kv_heads, num_threads, [&](int64_t t) {
+      if (finite.load(std::memory_order_relaxed) && !AmxGrads::Finite(p, g, t / p.kv_heads, t % p.kv_heads)) {
+        finite.store(false, std::memory_order_relaxed);
+      }
+    });
+    tiles = finite.load();
+  }
+  const FlashPlan plan = make_flash_plan(p, tiles ? kAmxRows : kTargetRows, kKeyBlock);
   auto run = [&](auto task) {
-    parallel_for(p.batch * p.kv_heads, num_threads, [&](int64_t t) { task(p, g, plan, t / p.kv_heads, t % p.kv_heads); });
+    parallel_for(p.batch * p.kv_heads, num_threads,
+                 [&](int64_t t) { task(p, g, plan, t / p.kv_heads, t % p.kv_heads, tiles); });
   };
   switch (p.dtype) {
     case DType::kBF16: run(BackwardTask<bfloat16>); break;

@@ -30,6 +30,7 @@ std::atomic<bool> vnni_allowed{true};
 std::atomic<bool> byte_values_allowed{true};
 std::atomic<bool> amx_allowed{true};
 std::atomic<bool> forward_amx_allowed{true};
+std::atomic<bool> backward_amx_allowed{true};
 std::atomic<size_t> pack_limit{kDefaultBackwardPackLimit};
 std::atomic<size_t> value_keep_limit{kDefaultForwardValueKeepLimit};
 
@@ -84,8 +85,9 @@ bool decode_bf16_dots() {
 }
 
 namespace {
-// AMX-BF16 on this CPU and the tile state granted. Asked on first need only: allow_decode_amx(false)
-// and allow_forward_amx(false) before it keep the process's permissions as they were.
+// AMX-BF16 on this CPU and the tile state granted. Asked on first need only: allow_decode_amx(false),
+// allow_forward_amx(false) and allow_backward_amx(false) before it keep the process's permissions
+// as they were.
 bool amx_bf16_granted() {
   static const bool supported = cpu_has_amx_bf16() && amx_tile_data_granted();
   return supported;
@@ -98,6 +100,10 @@ bool decode_amx_bf16() {
 
 bool forward_amx_bf16() {
   return forward_amx_allowed.load(std::memory_order_relaxed) && decode_bf16_dots() && amx_bf16_granted();
+}
+
+bool backward_amx_bf16() {
+  return backward_amx_allowed.load(std::memory_order_relaxed) && decode_bf16_dots() && amx_bf16_granted();
 }
 
 bool decode_byte_values() {
@@ -124,6 +130,8 @@ void allow_decode_byte_values(bool allow) { byte_values_allowed.store(allow, std
 void allow_decode_amx(bool allow) { amx_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_forward_amx(bool allow) { forward_amx_allowed.store(allow, std::memory_order_relaxed); }
+
+void allow_backward_amx(bool allow) { backward_amx_allowed.store(allow, std::memory_order_relaxed); }
 
 size_t backward_pack_limit() { return pack_limit.load(std::memory_order_relaxed); }
 
