@@ -221,6 +221,52 @@ TEST(HalfAmx, BackwardTilesStayWithinTheBound) {
   std::printf("[ bound ] largest |tiles - float32 tiles| / bound: %.3f over %d problems\n", worst, problems);
 }
 
+// Q and dO whose channels are not adjacent (a (B, H, D, T) buffer seen as (B, H, T, D)) take the
+// tiles' element-by-element packing: the same words, so the same gradient bits as contiguous
+// copies of the same values (on the tiles both times: only K's and V's rows must be unit-stride).
+TEST(HalfAmx, BackwardChannelStridedQueryAndGradOutGiveTheBitsOfContiguousOnes) {
+  if (!kernels::backward_amx_bf16()) GTEST_SKIP() << "no AMX-BF16 here (or no tile state granted): it is not run";
+  Rng rng(base_seed() + 152);
+  const int64_t Hq = 4, Hkv = 2, Tq = 70, Tk = 90, D = 64, Dv = 32;
+  const Tensor q = random_tensor(rng, {1, Hq, Tq, D}).converted(DType::kBF16);
+  const Tensor k = random_tensor(rng, {1, Hkv, Tk, D}).converted(DType::kBF16);
+  const Tensor v = random_tensor(rng, {1, Hkv, Tk, Dv}).converted(DType::kBF16);
+  const Tensor go = random_tensor(rng, {1, Hq, Tq, Dv}).converted(DType::kBF16);
+  // The same values with each head's matrix transposed in memory (T contiguous).
+  auto transposed = [](const Tensor& x) {
+    const int64_t H = x.shape()[1], T = x.shape()[2], C = x.shape()[3];
+    Tensor y(DType::kBF16, {1, H, C, T});
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < C; ++c) y.data<bfloat16>()[(h * C + c) * T + t] = x.data<bfloat16>()[(h * T + t) * C + c];
+    return y;
+  };
+  const Tensor qt = transposed(q), got = transposed(go);
+  const View<const bfloat16> q_strided(qt.data<bfloat16>(), {1, Hq, Tq, D}, {Hq * D * Tq, D * Tq, 1, Tq});
+  const View<const bfloat16> go_strided(got.data<bfloat16>(), {1, Hq, Tq, Dv}, {Hq * Dv * Tq, Dv * Tq, 1, Tq});
+  AttentionOptions opt;
+  opt.causal = Causal::kBottomRight;
+  Tensor out(DType::kBF16, {1, Hq, Tq, Dv}), lse(DType::kF32, {1, Hq, Tq});
+  BasicAttentionInputs<bfloat16> in;
+  in.query = q.view<bfloat16>();
+  in.key = k.view<bfloat16>();
+  in.value = v.view<bfloat16>();
+  attention(in, {out.view<bfloat16>(), lse.view<float>(), View<bfloat16>()}, opt);
+  auto grads = [&](const View<const bfloat16>& query, const View<const bfloat16>& grad_out) {
+    Grads g{Tensor(DType::kBF16, {1, Hq, Tq, D}), Tensor(DType::kBF16, {1, Hkv, Tk, D}), Tensor(DType::kBF16, {1, Hkv, Tk, Dv})};
+    BasicAttentionInputs<bfloat16> x = in;
+    x.query = query;
+    attention_backward(x, out.view<bfloat16>(), lse.view<float>(), grad_out,
+                       {g.q.view<bfloat16>(), g.k.view<bfloat16>(), g.v.view<bfloat16>()}, opt);
+    return g;
+  };
+  const Grads contiguous = grads(q.view<bfloat16>(), go.view<bfloat16>()), strided = grads(q_strided, go_strided);
+  EXPECT_TRUE(bitwise_equal(contiguous.q, strided.q));
+  EXPECT_TRUE(bitwise_equal(contiguous.k, strided.k));
+  EXPECT_TRUE(bitwise_equal(contiguous.v, strided.v));
+  EXPECT_GT(max_abs(contiguous.k.to_f32().view<float>()), 0.0);
+}
+
 // A call with an infinite or NaN argument takes the float32 tiles (a tile product would add
 // 0 · Inf = NaN for keys around a block's range): its gradients are theirs, bit for bit, Inf and
 // NaN included; the same call on finite arguments takes the tiles.
