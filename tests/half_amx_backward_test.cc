@@ -29,7 +29,8 @@ struct Forward {
 
 Forward RunForward(const Problem& p, Rng& rng) {
   const Result fwd = run_dtype(p, Backend::kFast);
-  return {fwd.out.converted(DType::kBF16), fwd.lse.converted(DType::kF32), random_tensor(rng, {p.B, p.Hq, p.Tq, p.Dv}).converted(DType::kBF16)};
+  return {fwd.out.converted(DType::kBF16), fwd.lse.converted(DType::kF32),
+          random_tensor(rng, {p.B, p.Hq, p.Tq, p.Dv}).converted(DType::kBF16)};
 }
 
 // The fast bfloat16 backward with the tiles on or off, on `threads` (0: all).
@@ -81,11 +82,17 @@ double ExpectWithinBound(const Problem& p, const Forward& f, const Grads& tiles,
   const Tensor go = f.go16.to_f32();
   attention_backward(in, out.view<float>(), lse.view<float>(), go.view<float>(),
                      {gq.view<float>(), gk.view<float>(), gv.view<float>(), View<float>(), ds.view<float>()}, ro);
-  auto P = [&](int64_t b, int64_t h, int64_t i, int64_t j) { return w.data<float>()[((b * Hq + h) * Tq + i) * Tk + j] / keep; };
-  auto S = [&](int64_t b, int64_t h, int64_t i, int64_t j) { return std::fabs(ds.data<float>()[((b * Hq + h) * Tq + i) * Tk + j]); };
+  auto P = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+    return w.data<float>()[((b * Hq + h) * Tq + i) * Tk + j] / keep;
+  };
+  auto S = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+    return std::fabs(ds.data<float>()[((b * Hq + h) * Tq + i) * Tk + j]);
+  };
   auto q = [&](int64_t b, int64_t h, int64_t i, int64_t c) { return std::fabs(At(p.q32, p, Hq, Tq, D, b, h, i, c)); };
   auto k = [&](int64_t b, int64_t h, int64_t j, int64_t c) { return std::fabs(At(p.k32, p, Hkv, Tk, D, b, h, j, c)); };
-  auto dO = [&](int64_t b, int64_t h, int64_t i, int64_t c) { return std::fabs(go.data<float>()[((b * Hq + h) * Tq + i) * Dv + c]); };
+  auto dO = [&](int64_t b, int64_t h, int64_t i, int64_t c) {
+    return std::fabs(go.data<float>()[((b * Hq + h) * Tq + i) * Dv + c]);
+  };
   double q_row = 0, do_row = 0;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hq; ++h)
@@ -107,8 +114,8 @@ double ExpectWithinBound(const Problem& p, const Forward& f, const Grads& tiles,
     const double err = std::fabs(t - pf);
     if (bound > 0) worst = std::max(worst, err / bound);
     if (!(err <= bound)) {
-      ADD_FAILURE() << name << "[" << x << "," << y << "," << z << "," << c << "]: tiles " << t << ", float32 tiles " << pf
-                    << ", bound " << bound;
+      ADD_FAILURE() << name << "[" << x << "," << y << "," << z << "," << c << "]: tiles " << t << ", float32 tiles "
+                    << pf << ", bound " << bound;
     }
     return err <= bound;
   };
@@ -120,7 +127,9 @@ double ExpectWithinBound(const Problem& p, const Forward& f, const Grads& tiles,
           for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
             for (int64_t i = 0; i < Tq; ++i) A += P(b, h, i, j) * dO(b, h, i, c);
           const int64_t x = ((b * Hkv + hk) * Tk + j) * Dv + c;
-          if (!expect("dV", tiles.v.data<float>()[x], plain.v.data<float>()[x], A, 0, G * Tq, b, hk, j, c)) return worst;
+          if (!expect("dV", tiles.v.data<float>()[x], plain.v.data<float>()[x], A, 0, G * Tq, b, hk, j, c)) {
+            return worst;
+          }
         }
         for (int64_t c = 0; c < D; ++c) {  // dK[j][c] = scale·Σ dS·q
           double A = 0, AP = 0;
@@ -138,9 +147,11 @@ double ExpectWithinBound(const Problem& p, const Forward& f, const Grads& tiles,
       for (int64_t i = 0; i < Tq; ++i)
         for (int64_t c = 0; c < D; ++c) {  // dQ[i][c] = scale·Σ dS·k
           double A = 0, AP = 0;
-          for (int64_t j = 0; j < Tk; ++j) A += S(b, h, i, j) * k(b, h / G, j, c), AP += P(b, h, i, j) * k(b, h / G, j, c);
+          for (int64_t j = 0; j < Tk; ++j)
+            A += S(b, h, i, j) * k(b, h / G, j, c), AP += P(b, h, i, j) * k(b, h / G, j, c);
           const int64_t x = ((b * Hq + h) * Tq + i) * D + c;
-          if (!expect("dQ", tiles.q.data<float>()[x], plain.q.data<float>()[x], scale * A, scale * AP, Tk, b, h, i, c)) {
+          if (!expect("dQ", tiles.q.data<float>()[x], plain.q.data<float>()[x], scale * A, scale * AP, Tk, b, h, i,
+                      c)) {
             return worst;
           }
         }
@@ -238,7 +249,8 @@ TEST(HalfAmx, BackwardChannelStridedQueryAndGradOutGiveTheBitsOfContiguousOnes) 
     Tensor y(DType::kBF16, {1, H, C, T});
     for (int64_t h = 0; h < H; ++h)
       for (int64_t t = 0; t < T; ++t)
-        for (int64_t c = 0; c < C; ++c) y.data<bfloat16>()[(h * C + c) * T + t] = x.data<bfloat16>()[(h * T + t) * C + c];
+        for (int64_t c = 0; c < C; ++c)
+          y.data<bfloat16>()[(h * C + c) * T + t] = x.data<bfloat16>()[(h * T + t) * C + c];
     return y;
   };
   const Tensor qt = transposed(q), got = transposed(go);
@@ -253,7 +265,8 @@ TEST(HalfAmx, BackwardChannelStridedQueryAndGradOutGiveTheBitsOfContiguousOnes) 
   in.value = v.view<bfloat16>();
   attention(in, {out.view<bfloat16>(), lse.view<float>(), View<bfloat16>()}, opt);
   auto grads = [&](const View<const bfloat16>& query, const View<const bfloat16>& grad_out) {
-    Grads g{Tensor(DType::kBF16, {1, Hq, Tq, D}), Tensor(DType::kBF16, {1, Hkv, Tk, D}), Tensor(DType::kBF16, {1, Hkv, Tk, Dv})};
+    Grads g{Tensor(DType::kBF16, {1, Hq, Tq, D}), Tensor(DType::kBF16, {1, Hkv, Tk, D}),
+            Tensor(DType::kBF16, {1, Hkv, Tk, Dv})};
     BasicAttentionInputs<bfloat16> x = in;
     x.query = query;
     attention_backward(x, out.view<bfloat16>(), lse.view<float>(), grad_out,

@@ -190,7 +190,8 @@ MHA_AMX_TARGET inline void TileSums(const bfloat16* base, int64_t rs, int64_t a,
 // Query row r of task t (bfloat16 q), or null for an invalid row.
 inline const bfloat16* QueryRow(const AttentionParams& p, const TaskRows& t, size_t r) {
   if (!t.valid[r]) return nullptr;
-  return static_cast<const bfloat16*>(p.q) + t.b * p.q_stride[0] + t.head[r] * p.q_stride[1] + t.query[r] * p.q_stride[2];
+  return static_cast<const bfloat16*>(p.q) + t.b * p.q_stride[0] + t.head[r] * p.q_stride[1] +
+         t.query[r] * p.q_stride[2];
 }
 
 // The scores St (keys × rows) of keys a .. a + n (of the head's rows kbase, stride ks, the last
@@ -199,8 +200,8 @@ inline const bfloat16* QueryRow(const AttentionParams& p, const TaskRows& t, siz
 // Inf or NaN, and a sum q·k past the float range that the scaled products stay inside (a small
 // explicit scale) its finite value.
 MHA_AMX_TARGET inline void TileScores(const AttentionParams& p, const TaskRows& t, const uint32_t* qp, uint16_t* stage,
-                                      const bfloat16* kbase, int64_t ks, int64_t a, int64_t n, int64_t last, float scale,
-                                      float* st) {
+                                      const bfloat16* kbase, int64_t ks, int64_t a, int64_t n, int64_t last,
+                                      float scale, float* st) {
   const size_t M = t.mpad, depth = static_cast<size_t>(p.head_dim_qk);
   TileSums(kbase, ks, a, n, last, depth, qp, M, stage, st);
   const __m512 sc = _mm512_set1_ps(scale), inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());

@@ -51,8 +51,8 @@ class AmxGrads {
  public:
   static bool Applies(const AttentionParams& p) {
     return p.dtype == DType::kBF16 && p.head_dim_qk % 32 == 0 && p.head_dim_qk > 0 && p.head_dim_v % 32 == 0 &&
-           p.head_dim_v > 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1 && p.k_stride[2] >= 0 &&
-           p.v_stride[2] >= 0 && backward_amx_bf16();
+           p.head_dim_v > 0 && p.k_stride[3] == 1 && p.v_stride[3] == 1 && p.k_stride[2] >= 0 && p.v_stride[2] >= 0 &&
+           backward_amx_bf16();
   }
 
   // Dwords of one query block's packing (Pack) for up to m rows: Qp, dOp, Qi and dOi.
@@ -162,7 +162,8 @@ class AmxGrads {
         const bool r1 = rt + 1 < row_tiles;
         float* o = dqt + ct * 16 * m + rt * 16;
         LoadResults(o, m, true, r1);
-        const TileOperands channels{reinterpret_cast<const char*>(kt_ + ct * 16 * kKeyBlock + lo), kb, 16 * kb, 64, true};
+        const TileOperands channels{reinterpret_cast<const char*>(kt_ + ct * 16 * kKeyBlock + lo), kb, 16 * kb, 64,
+                                    true};
         const TileOperands rows{reinterpret_cast<const char*>(dsp_ + lo / 2 * m + rt * 16), pb, 64, 16 * pb, r1};
         TileProducts(channels, rows, (hi - lo) / 32);
         StoreResults(o, m, true, r1);
@@ -271,11 +272,11 @@ class AmxGrads {
   const AttentionParams& p_;
   const AttentionGradParams& g_;
   size_t depth_, dv_;
-  uint16_t* kt_;      // D × kKeyBlock: the key block transposed
-  uint16_t* pb_;      // kKeyBlock × Pad32(rows): P_d rounded
-  uint16_t* dsb_;     // kKeyBlock × Pad32(rows): dS rounded
-  uint32_t* dsp_;     // (kKeyBlock / 2) × rows: dS in key pairs
-  uint16_t* stage_;   // kKeyBlock × max(D, Dv): key or value rows where a tile would read past the last
+  uint16_t* kt_;     // D × kKeyBlock: the key block transposed
+  uint16_t* pb_;     // kKeyBlock × Pad32(rows): P_d rounded
+  uint16_t* dsb_;    // kKeyBlock × Pad32(rows): dS rounded
+  uint32_t* dsp_;    // (kKeyBlock / 2) × rows: dS in key pairs
+  uint16_t* stage_;  // kKeyBlock × max(D, Dv): key or value rows where a tile would read past the last
 };
 
 #undef MHA_AMX_TARGET
