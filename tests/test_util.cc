@@ -21,6 +21,7 @@ void restore_kernel_switches() {
   kernels::allow_decode_avx512_vnni(true);
   kernels::allow_decode_byte_values(true);
   kernels::allow_decode_amx(true);
+  kernels::allow_decode_amx_values(true);
   kernels::allow_forward_amx(true);
   kernels::allow_backward_amx(true);
   kernels::set_backward_pack_limit(kernels::kDefaultBackwardPackLimit);

@@ -56,6 +56,8 @@ class Workspace {
     kDecodeOut, kDecodeMax, kDecodeSum, kDecodeQuerySums, kDecodeQueryWords, kDecodeQueryVectors, kDecodeWeightPairs,
     kDecodeSavedOut,
     kDecodeValueScales, kDecodeValueWeights, kDecodeValueMins, kDecodeValueBytes, kDecodeValueWords, kDecodeValueSteps,
+    // bfloat16 values with AMX tiles (decode_amx-inl.h): a block's weights tiles, its staged rows, the sums.
+    kDecodeValueTiles, kDecodeValueStage, kDecodeValueSums,
     // varlen_attention (src/ops/varlen.cc): one sequence's rows, head-major, around the kernel calls.
     kVarlenQuery, kVarlenKey, kVarlenValue, kVarlenOut, kVarlenGradOut, kVarlenGradQuery, kVarlenGradKey,
     kVarlenGradValue,

@@ -6,8 +6,9 @@
 // half of the cache-resident bfloat16 step. Here one tile product takes 16 keys × 32 channels
 // against every query row: S^T (16 keys × R) += K (16 keys × 32 channels, loaded from the cache
 // rows as they are) · Q^T (16 channel pairs × R, the query's words transposed once per chunk by
-// AmxTiles), and the sums need no horizontal adds. The intrinsics need their own target
-// (Highway 1.0 has no tile ops): docs/ARCHITECTURE.md.
+// AmxTiles), and the sums need no horizontal adds. With the same tiles AmxBf16Values takes a
+// block's value products. The intrinsics need their own target (Highway 1.0 has no tile ops):
+// docs/ARCHITECTURE.md.
 #if defined(MHA_KERNELS_CPU_DECODE_AMX_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_AMX_INL_H_
 #undef MHA_KERNELS_CPU_DECODE_AMX_INL_H_
@@ -144,6 +145,95 @@ inline uint32_t Bf16KeyScores(bool amx, const uint32_t* qw, size_t ldw, int64_t 
   int64_t stride = 0;
   if (amx && EvenlySpaced(krows, stride)) return AmxBf16Scores(krows[0], stride, R, depth, scale, s, lds, ahead);
   return Bf16Scores(qw, ldw, R, krows, depth, scale, s, lds, ahead);
+}
+
+// bfloat16 values with AMX (AmxBf16Values), where the keys took the tiles: tiles 1-3 are free
+// between score calls, with the shape a value product needs (16 rows of 64 bytes). One tile
+// product takes 16 keys × 32 value columns against the query rows: sums (2R × 16 floats) +=
+// weights (2R rows of 16 words, P rounded to bfloat16) · V (16 keys × 32 columns, loaded from the
+// cache rows as they are: dword n of a row holds columns 2n and 2n + 1). A tile product adds the
+// even words of a weights row times the even columns and the odd words times the odd ones, so
+// row r < R holds row r's weights in its even words (odd words 0) and sums even columns, row R + r
+// the same weights in its odd words and sums odd columns: no value is moved or widened (the float
+// pass widens each and spends R FMAs on it; docs/benchmarks.md). Rows 2R .. 15 are never read.
+constexpr int64_t kAmxValueRows = 8;  // both parities of every row in one tile's 16 rows
+constexpr size_t kAmxValueKeys = 128;  // keys per call at most (a block of the decode kernel)
+inline bool AmxValueShape(int64_t R, size_t dv) { return R <= kAmxValueRows && dv % 32 == 0 && dv > 0; }
+
+// o[r][c] = alpha[r]·o[r][c] + Σ_{j < jn} P[r][j]·V[j][c] (r < R, c < dv) for a block's keys, P
+// at s + r·lds (block entries, jn ≤ block), the value rows vrows[j], under AmxTiles. weights:
+// ⌈jn / 16⌉ tiles of 256 dwords; stage: 16 · ⌈jn / 16⌉ rows of dv words, taking the steps of 16
+// keys whose rows are not evenly spaced (across a paged pool's pages) or not all there (the
+// block's last keys; zeros after them); sums: dv / 32 tiles of 256 floats. P is rounded to
+// bfloat16 (nearest even); TDPBF16PS sums its products in float32, flushing denormals
+// (docs/numerics.md has the bound). Returns false with o unchanged where a sum is not finite: a
+// weight of 0 (an odd word, or a key a row does not see) times an infinite or NaN value is NaN in
+// a column the float pass keeps finite, so the caller takes the float pass for the block.
+__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16,amx-tile,amx-bf16"))) inline bool AmxBf16Values(
+    const float* s, size_t lds, int64_t R, const bfloat16* const* vrows, size_t jn, size_t dv, const float* alpha,
+    float* o, size_t ldo, uint32_t* weights, bfloat16* stage, float* sums, LineStream& ahead) {
+  const size_t rows = static_cast<size_t>(R), steps = (jn + 15) / 16, chunks = dv / 32;
+  for (size_t t = 0; t < steps; ++t) {
+    const __mmask16 live = static_cast<__mmask16>(jn - 16 * t >= 16 ? 0xFFFF : (1u << (jn - 16 * t)) - 1);
+    uint32_t* w = weights + t * 256;
+    for (size_t r = 0; r < rows; ++r) {
+      const __m256bh p = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, s + r * lds + 16 * t));
+      const __m512i even = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(p));
+      _mm512_store_si512(w + 16 * r, even);
+      _mm512_store_si512(w + 16 * (rows + r), _mm512_slli_epi32(even, 16));
+    }
+  }
+  // Each step's rows: as they lie where evenly spaced, else copied into the stage.
+  const bfloat16* from[kAmxValueKeys / 16];
+  int64_t stride[kAmxValueKeys / 16];
+  for (size_t t = 0; t < steps; ++t) {
+    if (16 * t + 16 <= jn && EvenlySpaced(vrows + 16 * t, stride[t])) {
+      from[t] = vrows[16 * t];
+      continue;
+    }
+    bfloat16* rows_t = stage + 16 * t * dv;
+    for (size_t x = 0; x < 16; ++x) {
+      bfloat16* row = rows_t + x * dv;
+      if (16 * t + x < jn) {
+        std::copy(vrows[16 * t + x], vrows[16 * t + x] + dv, row);
+      } else {
+        std::fill(row, row + dv, bfloat16{});
+      }
+    }
+    from[t] = rows_t;
+    stride[t] = static_cast<int64_t>(dv);
+  }
+  // One chunk of 32 columns at a time (two, their sums in two tiles, measured the same).
+  for (size_t c = 0; c < chunks; ++c) {
+    _tile_zero(3);
+    for (size_t t = 0; t < steps; ++t) {
+      ahead.Issue(kFloatWork * 16 * 32 * static_cast<uint64_t>(R));
+      _tile_loadd(1, weights + t * 256, 64);
+      _tile_loadd(2, from[t] + 32 * c, stride[t] * static_cast<int64_t>(sizeof(bfloat16)));
+      _tile_dpbf16ps(3, 1, 2);
+    }
+    _tile_stored(3, sums + c * 256, 64);
+  }
+  asm volatile("" : : "r"(sums) : "memory");  // as in AmxTiles: the loads below read what it wrote
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (size_t c = 0; c < chunks; ++c)
+    for (size_t r = 0; r < 2 * rows; ++r)
+      if (_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_load_ps(sums + c * 256 + 16 * r)), inf, _CMP_NLT_UQ) != 0)
+        return false;
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (size_t r = 0; r < rows; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    float* orow = o + r * ldo;
+    for (size_t c = 0; c < chunks; ++c) {
+      const __m512 even = _mm512_load_ps(sums + c * 256 + 16 * r);
+      const __m512 odd = _mm512_load_ps(sums + c * 256 + 16 * (rows + r));
+      float* oc = orow + 32 * c;
+      _mm512_storeu_ps(oc, _mm512_fmadd_ps(_mm512_loadu_ps(oc), a, _mm512_permutex2var_ps(even, lo, odd)));
+      _mm512_storeu_ps(oc + 16, _mm512_fmadd_ps(_mm512_loadu_ps(oc + 16), a, _mm512_permutex2var_ps(even, hi, odd)));
+    }
+  }
+  return true;
 }
 #endif
 

@@ -56,6 +56,11 @@ void allow_decode_avx512_vnni(bool allow);
 // both paths so).
 bool decode_amx_bf16();
 void allow_decode_amx(bool allow);
+// Whether, with those key tiles, the bfloat16 values take AMX's tile products too (AmxBf16Values,
+// in place of widening each value for float32 FMAs; up to 8 query rows per kv head, Dv % 32 == 0;
+// the attention weights rounded to bfloat16): as decode_amx_bf16(), turned off on its own.
+bool decode_amx_bf16_values();
+void allow_decode_amx_values(bool allow);
 // Whether the AVX3 target's forward takes a bfloat16 block's two products, Q·Kᵀ and P·V, with
 // AMX's tile products (flash_amx-inl.h, in place of widening K and V for the float32 FMA tiles;
 // head dims D % 32 == 0 and Dv % 16 == 0, unit-stride K and V rows): where the CPU has AMX-BF16

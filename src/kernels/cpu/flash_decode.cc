@@ -212,6 +212,12 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const bool amx_keys = bf16_keys && decode::AmxDepth(depth) && decode_amx_bf16();
   std::optional<decode::AmxTiles> tiles;
   if (amx_keys) tiles.emplace(qb, ldb, R, depth);
+  // bfloat16 values with the same tiles (AmxBf16Values) for up to 8 rows and Dv % 32 == 0.
+  const bool amx_values = amx_keys && decode::AmxValueShape(R, Dv) && decode_amx_bf16_values();
+  static_assert(kBlockVecs<PlainKv<bfloat16>> * hn::MaxLanes(DF()) <= decode::kAmxValueKeys, "a block per call");
+  uint32_t* vtiles = amx_values ? ws.get<uint32_t>(Workspace::kDecodeValueTiles, block * 16) : nullptr;
+  bfloat16* vtstage = amx_values ? ws.get<bfloat16>(Workspace::kDecodeValueStage, block * Dv) : nullptr;
+  float* vsums = amx_values ? ws.get<float>(Workspace::kDecodeValueSums, Dv / 32 * 256) : nullptr;
   // int4 values with bfloat16 dot products where the CPU has them (Int4Output), unless they are
   // taken on byte weights by VNNI (Int4OutputVnni, below).
   const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots() && !decode_vnni_byte_values();
@@ -403,10 +409,11 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     }
 #endif
     // The block's values taken on byte or word weights (Int4Output256, Int4OutputVnni,
-    // Int8WordPass): pass(rt, c0, nc, r0, i) for each pass of kOutVecs vectors of columns
+    // Int8WordPass) or by AMX tiles (AmxBf16Values), else by the float pass below (values_taken):
+    // pass(rt, c0, nc, r0, i) for each pass of kOutVecs vectors of columns
     // from c0 (nc of them) and kTileRows rows from r0 (RT = rt of them), i = g·R + r0 the index
     // of their weights, steps and mins (g = c0 / 32).
-    bool int_pass = false;
+    bool values_taken = false;
     [[maybe_unused]] const auto integer_passes = [&](const auto& pass) {
       for (size_t c0 = 0; c0 < Dv; c0 += kOutVecs * N) {
         const size_t nc = std::min(kOutVecs * N, Dv - c0), g = c0 / kCacheQuantGroup;
@@ -418,10 +425,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     };
 #if MHA_DECODE_BYTE_VALUES
     if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
-      int_pass = byte_values && decode::ByteValueWeights<Kv>(d, s, block, static_cast<size_t>(R), pmax, vrows,
-                                                             static_cast<size_t>(jn), vgroups, vstage, vbytes, vsteps,
-                                                             vmins);
-      if (int_pass) {
+      values_taken = byte_values && decode::ByteValueWeights<Kv>(d, s, block, static_cast<size_t>(R), pmax, vrows,
+                                                                 static_cast<size_t>(jn), vgroups, vstage, vbytes,
+                                                                 vsteps, vmins);
+      if (values_taken) {
         integer_passes([&](auto rt, size_t c0, size_t nc, int64_t r0, size_t i) {
           constexpr size_t RT = decltype(rt)::value;
           const uint8_t* u = vbytes + i * block;
@@ -447,10 +454,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
 #endif
 #if MHA_DECODE_WORD_VALUES
     if constexpr (std::is_same_v<Kv, QuantKv<8>>) {
-      int_pass = word_values && decode::WordValueWeights(d, s, block, static_cast<size_t>(R), pmax, vrows,
-                                                         static_cast<size_t>(jn), vgroups, vstage, vwords, vsteps,
-                                                         vmins);
-      if (int_pass) {
+      values_taken = word_values && decode::WordValueWeights(d, s, block, static_cast<size_t>(R), pmax, vrows,
+                                                             static_cast<size_t>(jn), vgroups, vstage, vwords, vsteps,
+                                                             vmins);
+      if (values_taken) {
         integer_passes([&](auto rt, size_t c0, size_t nc, int64_t r0, size_t i) {
           decode::Int8WordPass<decltype(rt)::value>(vwords + i * block, block, static_cast<size_t>(R), vrows, c0, nc,
                                                     static_cast<size_t>(jn), alpha + r0, vmins + i, vsteps + i,
@@ -460,11 +467,18 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     }
 #endif
     if constexpr (kFold) {
-      if (!int_pass)
+      if (!values_taken)
         decode::FoldValueWeights<Kv>(d, s, block, static_cast<size_t>(R), vrows, static_cast<size_t>(jn), vgroups,
                                      vstage, vweights, vmins);
     }
-    for (size_t c0 = 0; !int_pass && c0 < Dv; c0 += kOutVecs * N) {
+#if MHA_DECODE_DOTS
+    if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
+      if (amx_values)
+        values_taken = decode::AmxBf16Values(s, block, R, vrows, static_cast<size_t>(jn), Dv, alpha, o, dvp, vtiles,
+                                             vtstage, vsums, ahead);
+    }
+#endif
+    for (size_t c0 = 0; !values_taken && c0 < Dv; c0 += kOutVecs * N) {
       const size_t nc = std::min(kOutVecs * N, Dv - c0);
       ForRowGroups(static_cast<size_t>(R), [&](size_t r0, size_t rg) {
         float* oc = o + r0 * dvp + c0;
@@ -559,7 +573,8 @@ void FlashDecode(const AttentionParams& p, int num_threads) {
 
 // The kernel and, for the cache types with dot-product paths, which one runs on this CPU.
 std::string FlashDecodeName() {
-  std::string keys = "float FMAs", int8_values = "float FMAs", values = "float FMAs", bf16_keys = "widened to float";
+  std::string keys = "float FMAs", int8_values = "float FMAs", values = "float FMAs", bf16_keys = "widened to float",
+              bf16_values = "float FMAs";
 #if MHA_DECODE_INT_DOTS
   if (decode_int8_dots()) keys = "AVX2 integer products";
 #endif
@@ -570,13 +585,16 @@ std::string FlashDecodeName() {
   if (decode_avx512_vnni()) keys = "AVX-512 VNNI";
   if (decode_bf16_dots()) values = bf16_keys = "AVX-512 BF16 dot products";
   if (decode_amx_bf16()) bf16_keys = "AMX tiles (head dims 32, 64, 96, 128; else AVX-512 BF16 dot products)";
+  if (decode_amx_bf16() && decode_amx_bf16_values())
+    bf16_values = "AMX tiles (with the keys', up to 8 query rows per kv head, Dv % 32 == 0; else float FMAs)";
   if (decode_vnni_byte_values()) values = "AVX-512 VNNI on byte weights";
 #endif
 #if MHA_DECODE_WORD_VALUES
   if (decode_vnni_word_values()) int8_values = "AVX-512 VNNI on 16-bit weights";
 #endif
   return std::string("flash_decode_f32_") + hwy::TargetName(HWY_TARGET) + " (int8/int4 keys: " + keys +
-         "; int8 values: " + int8_values + "; int4 values: " + values + "; bfloat16 keys: " + bf16_keys + ")";
+         "; int8 values: " + int8_values + "; int4 values: " + values + "; bfloat16 keys: " + bf16_keys +
+         "; bfloat16 values: " + bf16_values + ")";
 }
 
 }  // namespace mha::kernels::HWY_NAMESPACE

@@ -29,6 +29,7 @@ std::atomic<bool> dot_products_allowed{true};
 std::atomic<bool> vnni_allowed{true};
 std::atomic<bool> byte_values_allowed{true};
 std::atomic<bool> amx_allowed{true};
+std::atomic<bool> amx_values_allowed{true};
 std::atomic<bool> forward_amx_allowed{true};
 std::atomic<bool> backward_amx_allowed{true};
 std::atomic<size_t> pack_limit{kDefaultBackwardPackLimit};
@@ -98,6 +99,8 @@ bool decode_amx_bf16() {
   return amx_allowed.load(std::memory_order_relaxed) && decode_bf16_dots() && amx_bf16_granted();
 }
 
+bool decode_amx_bf16_values() { return amx_values_allowed.load(std::memory_order_relaxed) && decode_amx_bf16(); }
+
 bool forward_amx_bf16() {
   return forward_amx_allowed.load(std::memory_order_relaxed) && decode_bf16_dots() && amx_bf16_granted();
 }
@@ -128,6 +131,8 @@ void allow_decode_avx512_vnni(bool allow) { vnni_allowed.store(allow, std::memor
 void allow_decode_byte_values(bool allow) { byte_values_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_decode_amx(bool allow) { amx_allowed.store(allow, std::memory_order_relaxed); }
+
+void allow_decode_amx_values(bool allow) { amx_values_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_forward_amx(bool allow) { forward_amx_allowed.store(allow, std::memory_order_relaxed); }
 

@@ -1,0 +1,214 @@
+// The decode kernel's bfloat16 value pass with AMX tiles (AmxBf16Values, decode_amx-inl.h)
+// against its float pass (the values widened, float32 FMAs), both after the same AMX key scores:
+// over query rows per kv head (the tiles take up to 8), head dims, cache lengths around the
+// 16-key steps and the 128-key blocks, windowed rings and paged pools (rows not evenly spaced:
+// the staged steps), and on infinite values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/flash.h"
+#include "mha/kv_cache.h"
+#include "mha/paged_kv_cache.h"
+#include "test_util.h"
+
+namespace mha::test {
+namespace {
+
+constexpr double kU = 1.0 / (1 << 24), kU16 = 1.0 / 256;
+
+// attend()'s float32 output with the AMX value pass on or off.
+template <typename Cache>
+Tensor Attend(const Tensor& q, const Cache& cache, bool amx_values, const std::vector<int64_t>& ids = {}) {
+  kernels::allow_decode_amx_values(amx_values);
+  Tensor out = Tensor::zeros({q.shape()[0], q.shape()[1], q.shape()[2], cache.config().head_dim_v});
+  if constexpr (std::is_same_v<Cache, KvCache>) {
+    attend(q.view<float>(), cache, out.view<float>());
+  } else {
+    attend(q.view<float>(), cache, ids, out.view<float>());
+  }
+  return out;
+}
+
+// The bound on one output element of the tile pass against the float pass: P rounded to
+// bfloat16 (≤ u16 relative per weight) and both passes' float32 sums of Tk products in other
+// orders (≤ 2(Tk + 2)u between them), each on the scale A = Σ_j P_j·|v_jc| / l, from float64
+// weights of the cached (bfloat16) keys over the positions the query sees; ×1.01 for the
+// kernel's own P (its scores within ~1e-5 of the float64 ones). attend() rounds the output to
+// the cache's type: each side by ≤ u16 of its value.
+struct Reference {
+  std::vector<double> scale;  // A per (query row, value column)
+};
+
+Reference Scales(const Tensor& q, const Tensor& k, const Tensor& v, int64_t first, int64_t last) {
+  // q (1, Hq, 1, D), k (1, Hkv, L, D), v (1, Hkv, L, Dv) widened from the cache; keys [first, last).
+  const int64_t Hq = q.shape()[1], D = q.shape()[3], Hkv = k.shape()[1], L = k.shape()[2], Dv = v.shape()[3];
+  const int64_t G = Hq / Hkv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  Reference ref;
+  ref.scale.assign(static_cast<size_t>(Hq * Dv), 0.0);
+  for (int64_t h = 0; h < Hq; ++h) {
+    const int64_t hk = h / G;
+    std::vector<double> s(static_cast<size_t>(L), 0.0);
+    double m = -INFINITY;
+    for (int64_t j = first; j < last; ++j) {
+      double a = 0;
+      for (int64_t c = 0; c < D; ++c)
+        a += static_cast<double>(q.data<float>()[h * D + c]) * k.data<float>()[(hk * L + j) * D + c];
+      s[static_cast<size_t>(j)] = a * scale;
+      m = std::max(m, a * scale);
+    }
+    double l = 0;
+    for (int64_t j = first; j < last; ++j) l += std::exp(s[static_cast<size_t>(j)] - m);
+    for (int64_t j = first; j < last; ++j) {
+      const double p = std::exp(s[static_cast<size_t>(j)] - m) / l;
+      for (int64_t c = 0; c < Dv; ++c)
+        ref.scale[static_cast<size_t>(h * Dv + c)] += p * std::fabs(double{v.data<float>()[(hk * L + j) * Dv + c]});
+    }
+  }
+  return ref;
+}
+
+void ExpectWithinBound(const Tensor& tiles, const Tensor& plain, const Reference& ref, int64_t Tk, double* worst) {
+  const double rel = kU16 + 2 * static_cast<double>(Tk + 2) * kU;
+  for (int64_t i = 0; i < plain.numel(); ++i) {
+    const double a = tiles.data<float>()[i], b = plain.data<float>()[i];
+    const double bound = 1.01 * rel * ref.scale[static_cast<size_t>(i)] + kU16 * (std::fabs(a) + std::fabs(b)) + 1e-30;
+    ASSERT_LE(std::fabs(a - b), bound) << "element " << i << ": tiles " << a << ", float pass " << b;
+    *worst = std::max(*worst, std::fabs(a - b) / bound);
+  }
+}
+
+bool AmxValues() { return kernels::decode_amx_bf16() && kernels::decode_amx_bf16_values(); }
+
+TEST(DecodeAmxValues, StayWithinTheBoundOfTheFloatPass) {
+  if (!AmxValues()) GTEST_SKIP() << "this CPU has no AMX-BF16 tiles: the float pass alone runs";
+  const RestoreKernelSwitches restore;
+  Rng rng(base_seed() + 910);
+  double worst = 0;
+  int cases = 0;
+  for (int64_t G : {1, 4, 8, 16})
+    for (int64_t D : {32, 64, 128})
+      for (int64_t Dv : {32, 96, 128})
+        for (int64_t Tk : {1, 15, 16, 17, 127, 128, 129, 300}) {
+          if ((D + Dv + Tk + G) % 3 != 0 && !(D == 128 && Dv == 128)) continue;  // a third of the mixed dims
+          SCOPED_TRACE(::testing::Message() << "G=" << G << " D=" << D << " Dv=" << Dv << " Tk=" << Tk);
+          KvCacheConfig c;
+          c.kv_heads = 2;
+          c.head_dim_qk = D;
+          c.head_dim_v = Dv;
+          c.dtype = CacheType::kBF16;
+          KvCache cache(c);
+          const Tensor k = random_tensor(rng, {1, 2, Tk, D}), v = random_tensor(rng, {1, 2, Tk, Dv});
+          cache.append(k.view<float>(), v.view<float>());
+          const Tensor q = random_tensor(rng, {1, 2 * G, 1, D});
+          const Tensor tiles = Attend(q, cache, true), plain = Attend(q, cache, false);
+          if (G > 8) {  // more rows than the tiles take: the float pass on both sides
+            EXPECT_TRUE(bitwise_equal(tiles, plain));
+            continue;
+          }
+          Tensor kc = cache.keys_as_float(), vc = cache.values_as_float();
+          // The stored rows (capacity ≥ Tk) cut to Tk positions for the reference.
+          Tensor kt = Tensor::zeros({1, 2, Tk, D}), vt = Tensor::zeros({1, 2, Tk, Dv});
+          for (int64_t h = 0; h < 2; ++h)
+            for (int64_t j = 0; j < Tk; ++j) {
+              for (int64_t e = 0; e < D; ++e) kt.view<float>().at(0, h, j, e) = kc.view<float>().at(0, h, j, e);
+              for (int64_t e = 0; e < Dv; ++e) vt.view<float>().at(0, h, j, e) = vc.view<float>().at(0, h, j, e);
+            }
+          Tensor q16 = q.converted(DType::kBF16).to_f32();  // the kernel rounds the query to the cache's type
+          ExpectWithinBound(tiles, plain, Scales(q16, kt, vt, 0, Tk), Tk, &worst);
+          ++cases;
+        }
+  EXPECT_GT(cases, 20);
+  std::printf("AMX value pass: largest |tiles − float pass| / bound %.3f over %d problems\n", worst, cases);
+}
+
+// A windowed cache's ring (rows not in position order past the wrap) and a paged pool with pages
+// of 16 (a block's rows across pages) take staged steps; their outputs keep the same bound.
+TEST(DecodeAmxValues, RingsAndPagesTakeStagedSteps) {
+  if (!AmxValues()) GTEST_SKIP() << "this CPU has no AMX-BF16 tiles: the float pass alone runs";
+  const RestoreKernelSwitches restore;
+  Rng rng(base_seed() + 911);
+  const int64_t D = 64, Dv = 64, G = 4, L = 300;
+  const Tensor k = random_tensor(rng, {1, 2, L, D}), v = random_tensor(rng, {1, 2, L, Dv});
+  const Tensor q = random_tensor(rng, {1, 2 * G, 1, D});
+  const Tensor q16 = q.converted(DType::kBF16).to_f32();
+  const Tensor k16 = k.converted(DType::kBF16).to_f32(), v16 = v.converted(DType::kBF16).to_f32();
+  double worst = 0;
+  {
+    KvCacheConfig c;
+    c.kv_heads = 2;
+    c.head_dim_qk = D;
+    c.head_dim_v = Dv;
+    c.window = 200;
+    c.dtype = CacheType::kBF16;
+    KvCache cache(c);
+    cache.append(k.view<float>(), v.view<float>());
+    // The query (position 299 after the append... seen as the last position) sees the last 200.
+    const Tensor tiles = Attend(q, cache, true), plain = Attend(q, cache, false);
+    ExpectWithinBound(tiles, plain, Scales(q16, k16, v16, L - 200, L), 200, &worst);
+  }
+  for (int64_t page : {16, 64}) {
+    PagedKvCacheConfig c;
+    c.kv_heads = 2;
+    c.head_dim_qk = D;
+    c.head_dim_v = Dv;
+    c.page_size = page;
+    c.pages = 4;  // grown as the two sequences take turns: their pages interleave
+    c.dtype = CacheType::kBF16;
+    PagedKvCache cache(c);
+    const int64_t a = cache.add_sequence(), b = cache.add_sequence();
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, L - j0);
+      const View<const float> kv = k.view<float>(), vv = v.view<float>();
+      const View<const float> ks(kv.data + j0 * D, {2, n, D}, {L * D, D, 1});
+      const View<const float> vs(vv.data + j0 * Dv, {2, n, Dv}, {L * Dv, Dv, 1});
+      cache.append(a, ks, vs);
+      cache.append(b, ks, vs);
+    }
+    Tensor q2 = Tensor::zeros({2, 2 * G, 1, D});
+    for (int64_t i = 0; i < q.numel(); ++i) q2.data<float>()[i] = q2.data<float>()[q.numel() + i] = q.data<float>()[i];
+    const Tensor tiles = Attend(q2, cache, true, {a, b}), plain = Attend(q2, cache, false, {a, b});
+    const Reference ref = Scales(q16, k16, v16, 0, L);
+    Reference both;
+    both.scale = ref.scale;
+    both.scale.insert(both.scale.end(), ref.scale.begin(), ref.scale.end());
+    ExpectWithinBound(tiles, plain, both, L, &worst);
+  }
+  std::printf("AMX value pass, rings and pages: largest |tiles − float pass| / bound %.3f\n", worst);
+}
+
+// An infinite value makes a tile sum NaN in the column beside it (0 × Inf in the odd or even
+// words): the block then takes the float pass, whose bits the rows of that kv head have (one
+// block of keys); the other kv head's rows keep the tiles' sums.
+TEST(DecodeAmxValues, AnInfiniteValueTakesTheFloatPass) {
+  if (!AmxValues()) GTEST_SKIP() << "this CPU has no AMX-BF16 tiles: the float pass alone runs";
+  const RestoreKernelSwitches restore;
+  Rng rng(base_seed() + 912);
+  const int64_t D = 64, Dv = 64, Tk = 100;
+  Tensor k = random_tensor(rng, {1, 2, Tk, D}), v = random_tensor(rng, {1, 2, Tk, Dv});
+  v.view<float>().at(0, 1, 7, 5) = std::numeric_limits<float>::infinity();
+  KvCacheConfig c;
+  c.kv_heads = 2;
+  c.head_dim_qk = D;
+  c.head_dim_v = Dv;
+  c.dtype = CacheType::kBF16;
+  KvCache cache(c);
+  cache.append(k.view<float>(), v.view<float>());
+  const Tensor q = random_tensor(rng, {1, 8, 1, D});
+  const Tensor tiles = Attend(q, cache, true), plain = Attend(q, cache, false);
+  for (int64_t h = 4; h < 8; ++h)
+    for (int64_t c = 0; c < Dv; ++c) {
+      const float a = tiles.view<float>().at(0, h, 0, c), b = plain.view<float>().at(0, h, 0, c);
+      EXPECT_EQ(std::memcmp(&a, &b, sizeof a), 0) << "row " << h << ", column " << c << ": " << a << " vs " << b;
+    }
+  // Column 5 of kv head 1's rows is infinite, column 4 beside it finite.
+  EXPECT_TRUE(std::isinf(tiles.view<float>().at(0, 4, 0, 5)));
+  EXPECT_TRUE(std::isfinite(tiles.view<float>().at(0, 4, 0, 4)));
+}
+
+}  // namespace
+}  // namespace mha::test
