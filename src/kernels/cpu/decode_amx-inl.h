@@ -16,6 +16,7 @@
 #define MHA_KERNELS_CPU_DECODE_AMX_INL_H_
 #endif
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -34,49 +35,54 @@ namespace decode {
 
 #if HWY_TARGET == HWY_AVX3  // as MHA_DECODE_DOTS
 
-// Tiles: 0 the scores (16 keys × R floats), 1-3 the keys (16 keys × 32 channels, tile 1 again
-// for a fourth 32), 4-7 the query (16 channel pairs × R dwords each): head dims of 32, 64, 96 and
-// 128 (AmxDepth).
+// Tiles, all of 16 rows of 64 bytes (the query rows padded to 16 with zeros, so that every tile
+// can take any part): 0 the scores (16 keys × 16 rows' floats), 1-3 the keys (16 keys × 32
+// channels, tile 1 again for a fourth 32), 4-7 the query (16 channel pairs × 16 rows' dwords):
+// head dims of 32, 64, 96 and 128 (AmxDepth). Between a block's scores and the next block's the
+// value pass (AmxBf16Values) takes all eight; AmxTiles::LoadQuery puts the query back.
 constexpr size_t kAmxMaxDepth = 128;
 constexpr bool AmxDepth(size_t depth) { return depth % 32 == 0 && depth > 0 && depth <= kAmxMaxDepth; }
 
-// Holds the tile state for one chunk: loads the configuration for R ≤ 16 rows and the query's
-// tiles (depth / 32 of them) from QueryBf16's words (row r's dword c at qw[r·ldw + c], channels
-// 2c and 2c + 1), transposed to the tiles' layout (dword c·R + r); releases the tiles when it goes.
+// Holds the tile state for one chunk: loads the configuration and the query's tiles (depth / 32
+// of them) from QueryBf16's words (row r's dword c at qw[r·ldw + c], channels 2c and 2c + 1),
+// transposed to the tiles' layout (dword 16·c + r, zeros for r ≥ R); releases the tiles when it
+// goes.
 class AmxTiles {
  public:
   __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) AmxTiles(const uint32_t* qw, size_t ldw,
-                                                                             int64_t R, size_t depth) {
+                                                                             int64_t R, size_t depth)
+      : parts_(depth / 32) {
     const size_t rows = static_cast<size_t>(R);
-    alignas(64) uint32_t qt[kMaxDecodeRows * kAmxMaxDepth / 2];
+    std::fill(qt_, qt_ + 16 * depth / 2, 0u);
     for (size_t c = 0; c < depth / 2; ++c)
-      for (size_t r = 0; r < rows; ++r) qt[c * rows + r] = qw[r * ldw + c];
+      for (size_t r = 0; r < rows; ++r) qt_[c * 16 + r] = qw[r * ldw + c];
     AmxTileConfig config;
-    const uint16_t row_bytes = static_cast<uint16_t>(4 * R);
-    config.rows[0] = 16;
-    config.colsb[0] = row_bytes;
-    for (int t = 1; t <= 3; ++t) {
+    for (int t = 0; t <= 7; ++t) {
       config.rows[t] = 16;
       config.colsb[t] = 64;
-    }
-    for (int t = 4; t <= 7; ++t) {
-      config.rows[t] = 16;
-      config.colsb[t] = row_bytes;
     }
     // GCC 12 does not see ldtilecfg read the configuration and drops its stores: the asm
     // statement makes the object escape.
     asm volatile("" : : "r"(&config) : "memory");
     _tile_loadconfig(&config);
-    const size_t part = 16 * rows;  // dwords of a query tile
-    const size_t parts = depth / 32;
-    _tile_loadd(4, qt, row_bytes);
-    if (parts > 1) _tile_loadd(5, qt + part, row_bytes);
-    if (parts > 2) _tile_loadd(6, qt + 2 * part, row_bytes);
-    if (parts > 3) _tile_loadd(7, qt + 3 * part, row_bytes);
+    LoadQuery();
   }
   __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile"))) ~AmxTiles() { _tile_release(); }
   AmxTiles(const AmxTiles&) = delete;
   AmxTiles& operator=(const AmxTiles&) = delete;
+
+  // The query's tiles (4-7) again, after a value pass took them.
+  __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile"))) void LoadQuery() const {
+    asm volatile("" : : "r"(qt_) : "memory");  // the tile loads read what the constructor wrote
+    _tile_loadd(4, qt_, 64);
+    if (parts_ > 1) _tile_loadd(5, qt_ + 256, 64);
+    if (parts_ > 2) _tile_loadd(6, qt_ + 512, 64);
+    if (parts_ > 3) _tile_loadd(7, qt_ + 768, 64);
+  }
+
+ private:
+  size_t parts_;
+  alignas(64) uint32_t qt_[16 * kAmxMaxDepth / 2];
 };
 
 // S[r][x] (r < R, at s + r·lds) for the 16 keys at k, k + stride, ... (bfloat16 elements; the
@@ -109,11 +115,10 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) inline uint32_
     _tile_loadd(1, a + 192, row_bytes);
     _tile_dpbf16ps(0, 1, 7);
   }
-  alignas(64) float sums[16 * 16];  // key x's scores at x·R
-  _tile_stored(0, sums, 4 * R);
+  alignas(64) float sums[16 * 16];  // key x's scores at 16·x
+  _tile_stored(0, sums, 64);
   asm volatile("" : : "r"(sums) : "memory");  // as in AmxTiles: the gathers below read what it wrote
-  const __m512i keys = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(static_cast<int>(R)));
+  const __m512i keys = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   const __m512 sc = _mm512_set1_ps(scale);
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   uint32_t bad = 0;
@@ -147,15 +152,15 @@ inline uint32_t Bf16KeyScores(bool amx, const uint32_t* qw, size_t ldw, int64_t 
   return Bf16Scores(qw, ldw, R, krows, depth, scale, s, lds, ahead);
 }
 
-// bfloat16 values with AMX (AmxBf16Values), where the keys took the tiles: tiles 1-3 are free
-// between score calls, with the shape a value product needs (16 rows of 64 bytes). One tile
-// product takes 16 keys × 32 value columns against the query rows: sums (2R × 16 floats) +=
-// weights (2R rows of 16 words, P rounded to bfloat16) · V (16 keys × 32 columns, loaded from the
-// cache rows as they are: dword n of a row holds columns 2n and 2n + 1). A tile product adds the
-// even words of a weights row times the even columns and the odd words times the odd ones, so
-// row r < R holds row r's weights in its even words (odd words 0) and sums even columns, row R + r
-// the same weights in its odd words and sums odd columns: no value is moved or widened (the float
-// pass widens each and spends R FMAs on it; docs/benchmarks.md). Rows 2R .. 15 are never read.
+// bfloat16 values with AMX (AmxBf16Values), where the keys took the tiles (AmxTiles' shape, 16 rows
+// of 64 bytes, is the one a value product needs). One tile product takes 16 keys × 32 value columns
+// against the query rows: sums (2R × 16 floats) += weights (2R rows of 16 words, P rounded to
+// bfloat16) · V (16 keys × 32 columns, loaded from the cache rows as they are: dword n of a row
+// holds columns 2n and 2n + 1). A tile product adds the even words of a weights row times the even
+// columns and the odd words times the odd ones, so row r < R holds row r's weights in its even
+// words (odd words 0) and sums even columns, row R + r the same weights in its odd words and sums
+// odd columns: no value is moved or widened (the float pass widens each and spends R FMAs on it;
+// docs/benchmarks.md). Rows 2R .. 15 are never read.
 constexpr int64_t kAmxValueRows = 8;  // both parities of every row in one tile's 16 rows
 constexpr size_t kAmxValueKeys = 128;  // keys per call at most (a block of the decode kernel)
 inline bool AmxValueShape(int64_t R, size_t dv) { return R <= kAmxValueRows && dv % 32 == 0 && dv > 0; }
@@ -164,7 +169,8 @@ inline bool AmxValueShape(int64_t R, size_t dv) { return R <= kAmxValueRows && d
 // at s + r·lds (block entries, jn ≤ block), the value rows vrows[j], under AmxTiles. weights:
 // ⌈jn / 16⌉ tiles of 256 dwords; stage: 16 · ⌈jn / 16⌉ rows of dv words, taking the steps of 16
 // keys whose rows are not evenly spaced (across a paged pool's pages) or not all there (the
-// block's last keys; zeros after them); sums: dv / 32 tiles of 256 floats. P is rounded to
+// block's last keys; zeros after them); sums: dv / 32 tiles of 256 floats. Leaves the tiles to
+// be loaded again (AmxTiles::LoadQuery). P is rounded to
 // bfloat16 (nearest even); TDPBF16PS sums its products in float32, flushing denormals
 // (docs/numerics.md has the bound). Returns false with o unchanged where a sum is not finite: a
 // weight of 0 (an odd word, or a key a row does not see) times an infinite or NaN value is NaN in
@@ -203,16 +209,38 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16,amx-tile,amx-bf16"))) inl
     from[t] = rows_t;
     stride[t] = static_cast<int64_t>(dv);
   }
-  // One chunk of 32 columns at a time (two, their sums in two tiles, measured the same).
-  for (size_t c = 0; c < chunks; ++c) {
+  // Two chunks of 32 columns at a time, each its own chain of products (sums in tiles 3 and 5),
+  // their weights and value rows loaded into tiles 1, 2, 4 on even steps and 6, 7, 0 on odd
+  // ones, so that no load waits for a product still reading its tile. Takes the query's tiles:
+  // the caller loads them again (AmxTiles::LoadQuery).
+  for (size_t c = 0; c < chunks; c += 2) {
+    const bool two = c + 1 < chunks;
     _tile_zero(3);
+    _tile_zero(5);
     for (size_t t = 0; t < steps; ++t) {
-      ahead.Issue(kFloatWork * 16 * 32 * static_cast<uint64_t>(R));
-      _tile_loadd(1, weights + t * 256, 64);
-      _tile_loadd(2, from[t] + 32 * c, stride[t] * static_cast<int64_t>(sizeof(bfloat16)));
-      _tile_dpbf16ps(3, 1, 2);
+      ahead.Issue(kFloatWork * 16 * 32 * static_cast<uint64_t>(R) * (two ? 2 : 1));
+      const bfloat16* v = from[t] + 32 * c;
+      const int64_t row_bytes = stride[t] * static_cast<int64_t>(sizeof(bfloat16));
+      if (t % 2 == 0) {
+        _tile_loadd(1, weights + t * 256, 64);
+        _tile_loadd(2, v, row_bytes);
+        _tile_dpbf16ps(3, 1, 2);
+        if (two) {
+          _tile_loadd(4, v + 32, row_bytes);
+          _tile_dpbf16ps(5, 1, 4);
+        }
+      } else {
+        _tile_loadd(6, weights + t * 256, 64);
+        _tile_loadd(7, v, row_bytes);
+        _tile_dpbf16ps(3, 6, 7);
+        if (two) {
+          _tile_loadd(0, v + 32, row_bytes);
+          _tile_dpbf16ps(5, 6, 0);
+        }
+      }
     }
     _tile_stored(3, sums + c * 256, 64);
+    if (two) _tile_stored(5, sums + (c + 1) * 256, 64);
   }
   asm volatile("" : : "r"(sums) : "memory");  // as in AmxTiles: the loads below read what it wrote
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());

@@ -473,9 +473,11 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     }
 #if MHA_DECODE_DOTS
     if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
-      if (amx_values)
+      if (amx_values) {
         values_taken = decode::AmxBf16Values(s, block, R, vrows, static_cast<size_t>(jn), Dv, alpha, o, dvp, vtiles,
                                              vtstage, vsums, ahead);
+        tiles->LoadQuery();
+      }
     }
 #endif
     for (size_t c0 = 0; !values_taken && c0 < Dv; c0 += kOutVecs * N) {
