@@ -82,6 +82,18 @@ void ExpectWithinBound(const Tensor& tiles, const Tensor& plain, const Reference
   }
 }
 
+// A bfloat16 KvCache holding k (1, Hkv, Tk, D) and v (1, Hkv, Tk, Dv).
+KvCache Bf16Cache(const Tensor& k, const Tensor& v) {
+  KvCacheConfig c;
+  c.kv_heads = k.shape()[1];
+  c.head_dim_qk = k.shape()[3];
+  c.head_dim_v = v.shape()[3];
+  c.dtype = CacheType::kBF16;
+  KvCache cache(c);
+  cache.append(k.view<float>(), v.view<float>());
+  return cache;
+}
+
 bool AmxValues() { return kernels::decode_amx_bf16() && kernels::decode_amx_bf16_values(); }
 
 TEST(DecodeAmxValues, StayWithinTheBoundOfTheFloatPass) {
@@ -96,14 +108,8 @@ TEST(DecodeAmxValues, StayWithinTheBoundOfTheFloatPass) {
         for (int64_t Tk : {1, 15, 16, 17, 127, 128, 129, 300}) {
           if ((D + Dv + Tk + G) % 3 != 0 && !(D == 128 && Dv == 128)) continue;  // a third of the mixed dims
           SCOPED_TRACE(::testing::Message() << "G=" << G << " D=" << D << " Dv=" << Dv << " Tk=" << Tk);
-          KvCacheConfig c;
-          c.kv_heads = 2;
-          c.head_dim_qk = D;
-          c.head_dim_v = Dv;
-          c.dtype = CacheType::kBF16;
-          KvCache cache(c);
           const Tensor k = random_tensor(rng, {1, 2, Tk, D}), v = random_tensor(rng, {1, 2, Tk, Dv});
-          cache.append(k.view<float>(), v.view<float>());
+          const KvCache cache = Bf16Cache(k, v);
           const Tensor q = random_tensor(rng, {1, 2 * G, 1, D});
           const Tensor tiles = Attend(q, cache, true), plain = Attend(q, cache, false);
           if (G > 8) {  // more rows than the tiles take: the float pass on both sides
@@ -191,13 +197,7 @@ TEST(DecodeAmxValues, AnInfiniteValueTakesTheFloatPass) {
   const int64_t D = 64, Dv = 64, Tk = 100;
   Tensor k = random_tensor(rng, {1, 2, Tk, D}), v = random_tensor(rng, {1, 2, Tk, Dv});
   v.view<float>().at(0, 1, 7, 5) = std::numeric_limits<float>::infinity();
-  KvCacheConfig c;
-  c.kv_heads = 2;
-  c.head_dim_qk = D;
-  c.head_dim_v = Dv;
-  c.dtype = CacheType::kBF16;
-  KvCache cache(c);
-  cache.append(k.view<float>(), v.view<float>());
+  const KvCache cache = Bf16Cache(k, v);
   const Tensor q = random_tensor(rng, {1, 8, 1, D});
   const Tensor tiles = Attend(q, cache, true), plain = Attend(q, cache, false);
   for (int64_t h = 4; h < 8; ++h)
