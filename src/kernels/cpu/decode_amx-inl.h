@@ -165,21 +165,6 @@ constexpr int64_t kAmxValueRows = 8;  // both parities of every row in one tile'
 constexpr size_t kAmxValueKeys = 128;  // keys per call at most (a block of the decode kernel)
 inline bool AmxValueShape(int64_t R, size_t dv) { return R <= kAmxValueRows && dv % 32 == 0 && dv > 0; }
 
-// One step of AmxBf16Values' two chains: the weights into tile kW, the two chunks' value rows
-// (v and v + 32, the second where `two`) into tiles kV0 and kV1, their sums in tiles 3 and 5.
-template <int kW, int kV0, int kV1>
-__attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) inline void AmxValueStep(const uint32_t* w,
-                                                                                          const bfloat16* v,
-                                                                                          int64_t row_bytes, bool two) {
-  _tile_loadd(kW, w, 64);
-  _tile_loadd(kV0, v, row_bytes);
-  _tile_dpbf16ps(3, kW, kV0);
-  if (two) {
-    _tile_loadd(kV1, v + 32, row_bytes);
-    _tile_dpbf16ps(5, kW, kV1);
-  }
-}
-
 // o[r][c] = alpha[r]·o[r][c] + Σ_{j < jn} P[r][j]·V[j][c] (r < R, c < dv) for a block's keys, P
 // at s + r·lds (block entries, jn ≤ block), the value rows vrows[j], under AmxTiles. weights:
 // ⌈jn / 16⌉ tiles of 256 dwords; stage: 16 · ⌈jn / 16⌉ rows of dv words, taking the steps of 16
@@ -236,10 +221,24 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16,amx-tile,amx-bf16"))) inl
       ahead.Issue(kFloatWork * 16 * 32 * static_cast<uint64_t>(R) * (two ? 2 : 1));
       const bfloat16* v = from[t] + 32 * c;
       const int64_t row_bytes = stride[t] * static_cast<int64_t>(sizeof(bfloat16));
+      // The same step twice with other tiles: the intrinsics paste their tile numbers into the
+      // instruction's text (GCC's amxtileintrin.h), so they cannot come from a template.
       if (t % 2 == 0) {
-        AmxValueStep<1, 2, 4>(weights + t * 256, v, row_bytes, two);
+        _tile_loadd(1, weights + t * 256, 64);
+        _tile_loadd(2, v, row_bytes);
+        _tile_dpbf16ps(3, 1, 2);
+        if (two) {
+          _tile_loadd(4, v + 32, row_bytes);
+          _tile_dpbf16ps(5, 1, 4);
+        }
       } else {
-        AmxValueStep<6, 7, 0>(weights + t * 256, v, row_bytes, two);
+        _tile_loadd(6, weights + t * 256, 64);
+        _tile_loadd(7, v, row_bytes);
+        _tile_dpbf16ps(3, 6, 7);
+        if (two) {
+          _tile_loadd(0, v + 32, row_bytes);
+          _tile_dpbf16ps(5, 6, 0);
+        }
       }
     }
     _tile_stored(3, sums + c * 256, 64);
