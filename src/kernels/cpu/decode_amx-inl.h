@@ -160,21 +160,22 @@ inline uint32_t Bf16KeyScores(bool amx, const uint32_t* qw, size_t ldw, int64_t 
 // columns and the odd words times the odd ones, so row r < R holds row r's weights in its even
 // words (odd words 0) and sums even columns, row R + r the same weights in its odd words and sums
 // odd columns: no value is moved or widened (the float pass widens each and spends R FMAs on it;
-// docs/benchmarks.md). Rows 2R .. 15 are never read.
+// docs/benchmarks.md). Rows 2R .. 15 of a weights tile hold whatever they held: their sums are
+// never read.
 constexpr int64_t kAmxValueRows = 8;  // both parities of every row in one tile's 16 rows
 constexpr size_t kAmxValueKeys = 128;  // keys per call at most (a block of the decode kernel)
 inline bool AmxValueShape(int64_t R, size_t dv) { return R <= kAmxValueRows && dv % 32 == 0 && dv > 0; }
 
-// o[r][c] = alpha[r]·o[r][c] + Σ_{j < jn} P[r][j]·V[j][c] (r < R, c < dv) for a block's keys, P
-// at s + r·lds (block entries, jn ≤ block), the value rows vrows[j], under AmxTiles. weights:
-// ⌈jn / 16⌉ tiles of 256 dwords; stage: 16 · ⌈jn / 16⌉ rows of dv words, taking the steps of 16
-// keys whose rows are not evenly spaced (across a paged pool's pages) or not all there (the
-// block's last keys; zeros after them); sums: dv / 32 tiles of 256 floats. Leaves the tiles to
-// be loaded again (AmxTiles::LoadQuery). P is rounded to
-// bfloat16 (nearest even); TDPBF16PS sums its products in float32, flushing denormals
-// (docs/numerics.md has the bound). Returns false with o unchanged where a sum is not finite: a
-// weight of 0 (an odd word, or a key a row does not see) times an infinite or NaN value is NaN in
-// a column the float pass keeps finite, so the caller takes the float pass for the block.
+// o[r][c] = alpha[r]·o[r][c] + Σ_{j < jn} P[r][j]·V[j][c] (r < R, c < dv) for a block's keys, P at
+// s + r·lds (block entries, jn ≤ block), the value rows vrows[j], under AmxTiles. weights:
+// ⌈jn / 16⌉ tiles of 256 dwords; stage: 16 · ⌈jn / 16⌉ rows of dv words, taking the steps of 16 keys
+// whose rows are not evenly spaced (across a paged pool's pages) or not all there (the block's last
+// keys; zeros after them); sums: dv / 32 tiles of 256 floats. Leaves the tiles to be loaded again
+// (AmxTiles::LoadQuery). P is rounded to bfloat16 (nearest even); TDPBF16PS sums its products in
+// float32, flushing denormals (docs/numerics.md has the bound). Returns false with o unchanged
+// where a sum is not finite: a weight of 0 (an odd word, or a key a row does not see) times an
+// infinite or NaN value is NaN in a column the float pass keeps finite, so the caller takes the
+// float pass for the block.
 __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16,amx-tile,amx-bf16"))) inline bool AmxBf16Values(
     const float* s, size_t lds, int64_t R, const bfloat16* const* vrows, size_t jn, size_t dv, const float* alpha,
     float* o, size_t ldo, uint32_t* weights, bfloat16* stage, float* sums, LineStream& ahead) {

@@ -587,7 +587,7 @@ std::string FlashDecodeName() {
   if (decode_avx512_vnni()) keys = "AVX-512 VNNI";
   if (decode_bf16_dots()) values = bf16_keys = "AVX-512 BF16 dot products";
   if (decode_amx_bf16()) bf16_keys = "AMX tiles (head dims 32, 64, 96, 128; else AVX-512 BF16 dot products)";
-  if (decode_amx_bf16() && decode_amx_bf16_values())
+  if (decode_amx_bf16_values())
     bf16_values = "AMX tiles (with the keys', up to 8 query rows per kv head, Dv % 32 == 0; else float FMAs)";
   if (decode_vnni_byte_values()) values = "AVX-512 VNNI on byte weights";
 #endif
