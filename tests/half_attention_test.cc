@@ -286,8 +286,9 @@ void expect_dots_near_float_path(const Problem& p) {
 // over head dims, groups and key counts around the tiles, and on special values.
 void expect_bf16_dots_near_float_path(uint64_t seed) {
   Rng rng(seed);
+  // G = 1 .. 4 take AmxBf16Scores' permutes, 5 and 16 its gathers.
   for (int64_t D : {8, 20, 32, 33, 64, 100, 128})
-    for (int64_t G : {1, 4, 16})
+    for (int64_t G : {1, 3, 4, 5, 16})
       for (int64_t Tk : {1, 15, 17, 129, 300}) {
         Problem p;
         p.dtype = DType::kBF16;

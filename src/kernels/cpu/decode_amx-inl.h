@@ -117,16 +117,40 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) inline uint32_
   }
   alignas(64) float sums[16 * 16];  // key x's scores at 16·x
   _tile_stored(0, sums, 64);
-  asm volatile("" : : "r"(sums) : "memory");  // as in AmxTiles: the gathers below read what it wrote
-  const __m512i keys = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  asm volatile("" : : "r"(sums) : "memory");  // as in AmxTiles: the loads below read what it wrote
+  // Row r's scores are column r of the sums. Up to 4 rows: the first 4 floats of the 16 key rows
+  // loaded into 4 vectors (4 keys each: lane 4j + r holds row r's score of the vector's key j),
+  // then per row two permutes (keys 0-7, 8-15) and a shuffle; more rows: a gather per row. At
+  // 4 rows the gathers took ~4% more of the cache-resident bfloat16 step (docs/benchmarks.md).
   const __m512 sc = _mm512_set1_ps(scale);
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   uint32_t bad = 0;
-  for (int64_t r = 0; r < R; ++r) {
-    const __m512 row = _mm512_mul_ps(_mm512_i32gather_ps(keys, sums + r, 4), sc);
+  const auto put = [&](int64_t r, __m512 scores) {
+    const __m512 row = _mm512_mul_ps(scores, sc);
     _mm512_storeu_ps(s + r * static_cast<int64_t>(lds), row);
     if (_mm512_cmp_ps_mask(_mm512_abs_ps(row), inf, _CMP_NLT_UQ) != 0) bad |= uint32_t{1} << r;
+  };
+  if (R <= 4) {
+    __m512 quad[4];  // keys 4k .. 4k + 3
+    for (int k = 0; k < 4; ++k) {
+      const float* at = sums + 64 * k;
+      __m512 x = _mm512_castps128_ps512(_mm_load_ps(at));
+      x = _mm512_insertf32x4(x, _mm_load_ps(at + 16), 1);
+      x = _mm512_insertf32x4(x, _mm_load_ps(at + 32), 2);
+      quad[k] = _mm512_insertf32x4(x, _mm_load_ps(at + 48), 3);
+    }
+    for (int r = 0; r < static_cast<int>(R); ++r) {
+      // Lanes 0-7: lane 4j + r of the first vector (j < 4), then of the second.
+      const __m512i pick =
+          _mm512_setr_epi32(r, 4 + r, 8 + r, 12 + r, 16 + r, 20 + r, 24 + r, 28 + r, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __m512 lo = _mm512_permutex2var_ps(quad[0], pick, quad[1]);
+      const __m512 hi = _mm512_permutex2var_ps(quad[2], pick, quad[3]);
+      put(r, _mm512_shuffle_f32x4(lo, hi, 0x44));  // lo's lanes 0-7, then hi's
+    }
+    return bad;
   }
+  const __m512i keys = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int64_t r = 0; r < R; ++r) put(r, _mm512_i32gather_ps(keys, sums + r, 4));
   return bad;
 }
 
