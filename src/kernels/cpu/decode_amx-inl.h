@@ -120,8 +120,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) inline uint32_
   asm volatile("" : : "r"(sums) : "memory");  // as in AmxTiles: the loads below read what it wrote
   // Row r's scores are column r of the sums. Up to 4 rows: the first 4 floats of the 16 key rows
   // loaded into 4 vectors (4 keys each: lane 4j + r holds row r's score of the vector's key j),
-  // then per row two permutes (keys 0-7, 8-15) and a shuffle; more rows: a gather per row. At
-  // 4 rows the gathers took ~4% more of the cache-resident bfloat16 step (docs/benchmarks.md).
+  // then per row two permutes (keys 0-7, 8-15) and a shuffle; more rows: a gather per row. With
+  // gathers at 4 rows the cache-resident bfloat16 step took ~4% longer (docs/benchmarks.md).
   const __m512 sc = _mm512_set1_ps(scale);
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   uint32_t bad = 0;
