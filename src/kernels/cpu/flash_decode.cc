@@ -11,10 +11,11 @@
 // the block's online softmax and the output pass over a block: decode_block-inl.h; int8/int4 keys
 // by tiles and bfloat16 keys with dot products: decode_quant-inl.h; int4 and int8 values with
 // dot products: decode_int4_values-inl.h, decode_int8_values-inl.h). This file runs the blocks of
-// a chunk (prefetches, the passes each block takes) and the chunks as tasks. The keys of a
-// (batch, kv head) may be cut into S chunks (S depends on the shape alone, never on threads)
-// that run as separate tasks; their partial (O, m, l) are merged in chunk order through their
-// log-sum-exp (decode_merge-inl.h), so the result has the same bits for any thread count.
+// a chunk (its query rows in each form read, prefetches, the passes each block takes) and the
+// chunks as tasks. The keys of a (batch, kv head) may be cut into S chunks (S depends on the
+// shape alone, never on threads) that run as separate tasks; their partial (O, m, l) are merged
+// in chunk order through their log-sum-exp (decode_merge-inl.h), so the result has the same bits
+// for any thread count.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_decode.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -104,6 +105,151 @@ Split ChooseSplit(const AttentionParams& p, size_t block) {
   return {std::max<int64_t>(parts, 1), std::max<int64_t>(chunk, static_cast<int64_t>(block))};
 }
 
+// A chunk's query rows in every form its score paths read, made once per chunk (LoadChunkQuery).
+struct ChunkQuery {
+  // Float rows (LoadQueryRow: scaled, times the key channel scales), padded with zeros to ld
+  // (whole vectors; whole groups for padded rows, so that every load is a full one); depth: the
+  // products of a dot (D, or ld for padded rows); tail: depth is not whole vectors.
+  float* rows = nullptr;
+  size_t ld = 0, depth = 0;
+  bool tail = false;
+  // Outlier key channels (quantized caches): the query meets their exact values (`outliers`,
+  // row r's nout at r · kCacheKeyOutliers, times the keys' outlier values, added to the scores),
+  // not their codes (its entries in `rows` are zeroed).
+  float outliers[kMaxDecodeRows * kCacheKeyOutliers];
+  size_t nout = 0;
+  // Key tiles: each row's sum of its entries per group of 32 (R rows of `groups`).
+  float* group_sums = nullptr;
+  size_t groups = 0;
+  // Key tiles with integer dot products where the CPU has them (dots: QueryDots made them):
+  // TileDots with AVX-512 VNNI (vnni; hi and, int8 keys, lo), TileDots256 with AVX2 (vectors:
+  // RepeatWords of hi); ldw words a row, scale[r] its rounding's scale.
+  bool dots = false, vnni = false;
+  int32_t* hi = nullptr;
+  int32_t* lo = nullptr;
+  int32_t* vectors = nullptr;
+  size_t ldw = 0;
+  float scale[kMaxDecodeRows];
+  // bfloat16 keys with bfloat16 dot products where the CPU has them (bf16: QueryBf16 made them;
+  // false for a value not finite, then the float path throughout): the rows loaded unscaled and
+  // rounded to pairs (ldb dwords a row), then `rows` scaled in place for the float path (the
+  // same products as LoadQueryRow's: the same bits).
+  bool bf16 = false;
+  uint32_t* pairs = nullptr;
+  size_t ldb = 0;
+};
+
+// The R query rows of (b, hk) (DecodeRows) into q, in this thread's workspace.
+template <class Kv>
+void LoadChunkQuery(DF d, const AttentionParams& p, int64_t b, int64_t hk, int64_t R, ChunkQuery& q) {
+  const size_t N = hn::Lanes(d), D = static_cast<size_t>(p.head_dim_qk);
+  const size_t pad = Kv::kPadded ? static_cast<size_t>(kCacheQuantGroup) : N;
+  q.ld = (D + pad - 1) / pad * pad;
+  q.depth = Kv::kPadded ? q.ld : D;
+  q.tail = q.depth % N != 0;
+  Workspace& ws = Workspace::local();
+  q.rows = ws.get<float>(Workspace::kDecodeQuery, R * q.ld);
+  const float* channel =
+      p.k_channel_scales ? p.k_channel_scales + b * p.k_channel_stride[0] + hk * p.k_channel_stride[1] : nullptr;
+  constexpr int64_t kOut = kCacheKeyOutliers;
+  const int64_t* outliers =
+      Kv::kOutliers && p.k_outliers ? p.k_outliers + b * p.k_outlier_stride[0] + hk * p.k_outlier_stride[1] : nullptr;
+  while (outliers && q.nout < static_cast<size_t>(kOut) && outliers[q.nout] >= 0) ++q.nout;
+  q.groups = q.ld / static_cast<size_t>(kCacheQuantGroup);
+  if constexpr (Kv::kKeyTiles)
+    q.group_sums = ws.get<float>(Workspace::kDecodeQuerySums, static_cast<size_t>(R) * q.groups);
+#if MHA_DECODE_DOTS
+  q.bf16 = std::is_same_v<Kv, PlainKv<bfloat16>> && decode_bf16_dots();
+#endif
+  const DecodeRows rows{R};
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
+    float* row = q.rows + r * static_cast<int64_t>(q.ld);
+    LoadQueryRow(d, p, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2], q.bf16 ? 1.0f : p.scale, channel,
+                 D, q.ld, row);
+    for (size_t x = 0; x < q.nout; ++x) {
+      q.outliers[r * kOut + static_cast<int64_t>(x)] = row[outliers[x]];
+      row[outliers[x]] = 0.0f;
+    }
+    for (size_t g = 0; q.group_sums && g < q.groups; ++g) {
+      const float* x = row + g * static_cast<size_t>(kCacheQuantGroup);
+      q.group_sums[r * static_cast<int64_t>(q.groups) + g] = std::accumulate(x, x + kCacheQuantGroup, 0.0f);
+    }
+  }
+#if MHA_DECODE_INT_DOTS
+  if constexpr (Kv::kKeyTiles) {
+#if MHA_DECODE_DOTS
+    q.vnni = decode_avx512_vnni();
+#endif
+    const QueryForm form = !std::is_same_v<Kv, QuantKv<8>> ? QueryForm::kBytes
+                           : q.vnni                         ? QueryForm::kSplit
+                                                            : QueryForm::kHalves;
+    q.ldw = form == QueryForm::kHalves ? q.ld / 2 : q.ld / 4;
+    if (decode_int8_dots()) {
+      q.hi = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * (q.ld / 4));
+      q.lo = form == QueryForm::kSplit ? q.hi + R * static_cast<int64_t>(q.ld / 4) : nullptr;  // kSplit's low bytes
+      q.dots = QueryDots(d, q.rows, q.ld, R, form, q.hi, q.lo, q.scale);
+      if (q.dots && !q.vnni) {
+        q.vectors = ws.get<int32_t>(Workspace::kDecodeQueryVectors, 8 * q.ldw * static_cast<size_t>(R));
+        RepeatWords(q.hi, q.ldw, R, q.vectors);
+      }
+    }
+  }
+#endif
+#if MHA_DECODE_DOTS
+  if (q.bf16) {
+    q.ldb = (D + 31) / 32 * 16;
+    q.pairs = ws.get<uint32_t>(Workspace::kDecodeQueryWords, static_cast<size_t>(R) * q.ldb);
+    q.bf16 = QueryBf16(q.rows, q.ld, R, q.pairs, q.ldb);
+    for (int64_t r = 0; r < R; ++r)
+      for (size_t c = 0; c < D; ++c) q.rows[r * static_cast<int64_t>(q.ld) + c] *= p.scale;
+  }
+#endif
+}
+
+// The scores of the N keys of a key tile from its lane lane0 (int8/int4 keys) for the R rows
+// into s (rows `block` apart): TileDots, TileDots256 or TileScores, kTileRows rows a call. Keys
+// past the last of a partial tile read the tile's other lanes (its storage exists; the block's
+// mask drops them).
+template <int kBits, class Tile>
+HWY_INLINE void KeyTileScores(DF d, const ChunkQuery& q, const Tile& tile, size_t lane0, int64_t R, float* s,
+                              size_t block, LineStream& ahead) {
+  constexpr int64_t kOut = kCacheKeyOutliers;
+  for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
+    const float* qg = q.group_sums + r0 * static_cast<int64_t>(q.groups);
+    const float* qr = q.outliers + r0 * kOut;
+    float* sr = s + r0 * static_cast<int64_t>(block);
+#if MHA_DECODE_INT_DOTS
+    if (q.dots) {
+#if MHA_DECODE_DOTS
+      if (q.vnni) {
+        const int32_t* h = q.hi + r0 * static_cast<int64_t>(q.ldw);
+        const int32_t* l = q.lo ? q.lo + r0 * static_cast<int64_t>(q.ldw) : nullptr;  // int8 keys only
+        WithTileRows(R - r0, [&](auto rt) {
+          TileDots<kBits, decltype(rt)::value>(tile.codes, tile.scales, q.groups, h, l, q.ldw, q.scale + r0, qg, qr,
+                                                q.nout, sr, block, ahead);
+        });
+        continue;
+      }
+#endif
+      const int32_t* v = q.vectors + r0 * static_cast<int64_t>(8 * q.ldw);
+      for (size_t x = 0; x < hn::Lanes(d); x += 8) {  // 8 keys a call
+        WithTileRows(R - r0, [&](auto rt) {
+          TileDots256<kBits, decltype(rt)::value>(tile.codes, tile.scales, lane0 + x, q.groups, v, 8 * q.ldw,
+                                                  q.scale + r0, qg, qr, q.nout, sr + x, block, ahead);
+        });
+      }
+      continue;
+    }
+#endif
+    WithTileRows(R - r0, [&](auto rt) {
+      TileScores<kBits, decltype(rt)::value>(d, tile.codes, tile.scales, lane0, q.groups,
+                                             q.rows + r0 * static_cast<int64_t>(q.ld), q.ld, qg, qr, q.nout, sr,
+                                             block, ahead);
+    });
+  }
+}
+
 // Partial attention of rows of (b, hk) over keys [k0, k1): unnormalised O (rows × dvp), m, l.
 // Kv: how K and V are stored (PlainKv<T>, QuantKv<bits>).
 template <class Kv>
@@ -112,57 +258,20 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const DF d;
   const size_t N = hn::Lanes(d), block = kBlockVecs<Kv> * N;
   const int64_t R = p.group() * p.q_len;
-  const size_t D = static_cast<size_t>(p.head_dim_qk), Dv = static_cast<size_t>(p.head_dim_v);
+  const size_t Dv = static_cast<size_t>(p.head_dim_v);
   const size_t dvp = (Dv + N - 1) / N * N;
-  // Query rows padded with zeros to whole vectors (to whole groups for padded rows: then every
-  // load is a full one).
-  const size_t pad = Kv::kPadded ? static_cast<size_t>(kCacheQuantGroup) : N;
-  const size_t ldq = (D + pad - 1) / pad * pad, depth = Kv::kPadded ? ldq : D;
-  const bool tail = depth % N != 0;
   Workspace& ws = Workspace::local();
-  float* qs = ws.get<float>(Workspace::kDecodeQuery, R * ldq);
+  ChunkQuery q;
+  LoadChunkQuery<Kv>(d, p, b, hk, R, q);
+  const size_t ldq = q.ld, depth = q.depth;
   float* s = ws.get<float>(Workspace::kDecodeScores, R * block);
   float* alpha = ws.get<float>(Workspace::kDecodeRescale, R);
   KeyRange* seen = ws.get<KeyRange>(Workspace::kDecodeSeen, R);  // each row's visible keys within [k0, k1)
   float* saved = ws.get<float>(Workspace::kDecodeSavedOut, static_cast<size_t>(R) * dvp);  // see `partial`
   const DecodeRows rows{R};
   int64_t ua = k1, ub = k0;
-  const float* channel =
-      p.k_channel_scales ? p.k_channel_scales + b * p.k_channel_stride[0] + hk * p.k_channel_stride[1] : nullptr;
-  // Outlier key channels (quantized caches): the query meets their exact values (qo · the
-  // keys' outlier values, added to the scores), not their codes (its entries there are zeroed).
-  constexpr int64_t kOut = kCacheKeyOutliers;
-  const int64_t* outliers =
-      Kv::kOutliers && p.k_outliers ? p.k_outliers + b * p.k_outlier_stride[0] + hk * p.k_outlier_stride[1] : nullptr;
-  size_t nout = 0;
-  while (outliers && nout < static_cast<size_t>(kOut) && outliers[nout] >= 0) ++nout;
-  float qo[kMaxDecodeRows * kOut];
-  // Key tiles: each row's sum of its query entries per group (outlier channels zeroed).
-  const size_t groups = ldq / static_cast<size_t>(kCacheQuantGroup);
-  float* qsum = Kv::kKeyTiles ? ws.get<float>(Workspace::kDecodeQuerySums, static_cast<size_t>(R) * groups) : nullptr;
-  // bfloat16 keys with bfloat16 dot products where the CPU has them (Bf16Scores): the query rows
-  // are loaded unscaled for QueryBf16 (the scores are scaled after their sums), then scaled in
-  // place for the float path (the same products as LoadQueryRow's: the same bits).
-#if MHA_DECODE_DOTS
-  bool bf16_keys = std::is_same_v<Kv, PlainKv<bfloat16>> && decode_bf16_dots();
-#else
-  constexpr bool bf16_keys = false;
-#endif
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t h = rows.head(p, hk, r), i = rows.query(p, r);
-    LoadQueryRow(d, p, b * p.q_stride[0] + h * p.q_stride[1] + i * p.q_stride[2], bf16_keys ? 1.0f : p.scale, channel,
-                 D, ldq, qs + r * ldq);
-    for (size_t x = 0; x < nout; ++x) {
-      qo[r * kOut + static_cast<int64_t>(x)] = qs[r * static_cast<int64_t>(ldq) + outliers[x]];
-      qs[r * static_cast<int64_t>(ldq) + outliers[x]] = 0.0f;
-    }
-    if constexpr (Kv::kKeyTiles) {
-      for (size_t g = 0; g < groups; ++g) {
-        const float* x = qs + r * static_cast<int64_t>(ldq) + g * static_cast<size_t>(kCacheQuantGroup);
-        qsum[r * static_cast<int64_t>(groups) + g] = std::accumulate(x, x + kCacheQuantGroup, 0.0f);
-      }
-    }
-    const KeyRange k = visible_keys(p, b, i);
+    const KeyRange k = visible_keys(p, b, rows.query(p, r));
     seen[r] = KeyRange{std::max(k.lo, k0), std::min(k.hi, k1), std::min(k.sink_hi, k1)};  // sinks: [k0, sink_hi)
     if (seen[r].hi > seen[r].lo) ua = std::min(ua, seen[r].lo), ub = std::max(ub, seen[r].hi);
     if (seen[r].sink_hi > k0) ua = std::min(ua, k0), ub = std::max(ub, seen[r].sink_hi);
@@ -170,48 +279,12 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     l[r] = 0.0f;
     std::fill(o + r * dvp, o + (r + 1) * dvp, 0.0f);
   }
-#if MHA_DECODE_INT_DOTS
-  // Integer dot products for the key tiles where the CPU has them: TileDots with AVX-512 VNNI,
-  // TileDots256 with AVX2 (decode_quant-inl.h). QueryDots rounds the query rows for them.
 #if MHA_DECODE_DOTS
-  const bool vnni = decode_avx512_vnni();
-#else
-  constexpr bool vnni = false;
-#endif
-  const QueryForm form = !std::is_same_v<Kv, QuantKv<8>> ? QueryForm::kBytes
-                         : vnni                           ? QueryForm::kSplit
-                                                          : QueryForm::kHalves;
-  const size_t ldw = form == QueryForm::kHalves ? ldq / 2 : ldq / 4;  // words of a query row
-  int32_t* qh = nullptr;
-  int32_t* ql = nullptr;
-  int32_t* qv = nullptr;  // TileDots256's query vectors
-  float qscale[kMaxDecodeRows];
-  bool dots = false;
-  if constexpr (Kv::kKeyTiles) {
-    if (decode_int8_dots()) {
-      qh = ws.get<int32_t>(Workspace::kDecodeQueryWords, 2 * static_cast<size_t>(R) * (ldq / 4));
-      ql = form == QueryForm::kSplit ? qh + R * static_cast<int64_t>(ldq / 4) : nullptr;  // kSplit's low bytes
-      dots = QueryDots(d, qs, ldq, R, form, qh, ql, qscale);
-      if (dots && !vnni) {  // TileDots256 reads the words as vectors
-        qv = ws.get<int32_t>(Workspace::kDecodeQueryVectors, 8 * ldw * static_cast<size_t>(R));
-        RepeatWords(qh, ldw, R, qv);
-      }
-    }
-  }
-#endif
-#if MHA_DECODE_DOTS
-  const size_t ldb = (D + 31) / 32 * 16;  // dwords of a query row's bfloat16 pairs
-  uint32_t* qb = bf16_keys ? ws.get<uint32_t>(Workspace::kDecodeQueryWords, static_cast<size_t>(R) * ldb) : nullptr;
-  if (bf16_keys) {
-    bf16_keys = QueryBf16(qs, ldq, R, qb, ldb);  // false: a value not finite, the float path throughout
-    for (int64_t r = 0; r < R; ++r)
-      for (size_t c = 0; c < D; ++c) qs[r * static_cast<int64_t>(ldq) + c] *= p.scale;
-  }
   // bfloat16 keys with AMX's tile products where the CPU has them (AmxBf16Scores): the tile
   // state is held for the chunk, with the query's tiles loaded once.
-  const bool amx_keys = bf16_keys && decode::AmxDepth(depth) && decode_amx_bf16();
+  const bool amx_keys = q.bf16 && decode::AmxDepth(depth) && decode_amx_bf16();
   std::optional<decode::AmxTiles> tiles;
-  if (amx_keys) tiles.emplace(qb, ldb, R, depth);
+  if (amx_keys) tiles.emplace(q.pairs, q.ldb, R, depth);
   // bfloat16 values with the same tiles (AmxBf16Values) for up to 8 rows and Dv % 32 == 0.
   const bool amx_values = amx_keys && decode::AmxValueShape(R, Dv) && decode_amx_bf16_values();
   static_assert(kBlockVecs<PlainKv<bfloat16>> * hn::MaxLanes(DF()) <= decode::kAmxValueKeys, "a block per call");
@@ -276,7 +349,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   // each key of the value passes ask for their share.
   uint64_t score_work = decode::kFloatWork, value_work = decode::kFloatWork;
 #if MHA_DECODE_INT_DOTS
-  if (dots) score_work = vnni ? decode::kVnniWork : decode::kAvx2IntWork;
+  if (q.dots) score_work = q.vnni ? decode::kVnniWork : decode::kAvx2IntWork;
 #endif
   if (byte_values) value_work = HWY_TARGET == HWY_AVX2 ? decode::kAvx2IntWork : decode::kInt4VnniValueWork;
   if (word_values) value_work = HWY_TARGET == HWY_AVX2 ? decode::kAvx2IntWork : decode::kInt8VnniValueWork;
@@ -318,55 +391,19 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
         for (size_t x = 0; x < N; ++x) krows[x] = kv.key(std::min(first + static_cast<int64_t>(x), j0 + jn - 1));
       }
       if constexpr (Kv::kKeyTiles) {
-        // Keys past the last of a partial tile read the tile's other lanes (its storage exists;
-        // the mask below drops them).
-        constexpr int kBits = Kv::kCodeBits;
-        const auto tile = kv.KeyTile(first / kCacheKeyTile * kCacheKeyTile);
-        const size_t lane0 = static_cast<size_t>(first % kCacheKeyTile);
-        for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
-          const float* q = qs + r0 * static_cast<int64_t>(ldq);
-          const float* qg = qsum + r0 * static_cast<int64_t>(groups);
-          const float* qr = qo + r0 * kOut;
-          float* sr = s + r0 * static_cast<int64_t>(block) + static_cast<int64_t>(kb * N);
-#if MHA_DECODE_INT_DOTS
-          if (dots) {
-#if MHA_DECODE_DOTS
-            if (vnni) {
-              const int32_t* h = qh + r0 * static_cast<int64_t>(ldw);
-              const int32_t* l = ql ? ql + r0 * static_cast<int64_t>(ldw) : nullptr;  // int8 keys only
-              WithTileRows(R - r0, [&](auto rt) {
-                TileDots<kBits, decltype(rt)::value>(tile.codes, tile.scales, groups, h, l, ldw, qscale + r0, qg, qr,
-                                                      nout, sr, block, ahead);
-              });
-              continue;
-            }
-#endif
-            const int32_t* v = qv + r0 * static_cast<int64_t>(8 * ldw);
-            for (size_t x = 0; x < N; x += 8) {  // 8 keys a call
-              WithTileRows(R - r0, [&](auto rt) {
-                TileDots256<kBits, decltype(rt)::value>(tile.codes, tile.scales, lane0 + x, groups, v, 8 * ldw,
-                                                        qscale + r0, qg, qr, nout, sr + x, block, ahead);
-              });
-            }
-            continue;
-          }
-#endif
-          WithTileRows(R - r0, [&](auto rt) {
-            TileScores<kBits, decltype(rt)::value>(d, tile.codes, tile.scales, lane0, groups, q, ldq, qg, qr, nout, sr,
-                                                   block, ahead);
-          });
-        }
+        KeyTileScores<Kv::kCodeBits>(d, q, kv.KeyTile(first / kCacheKeyTile * kCacheKeyTile),
+                                     static_cast<size_t>(first % kCacheKeyTile), R, s + kb * N, block, ahead);
       } else if constexpr (kStage) {
 #if MHA_DECODE_DOTS
         if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
-          if (bf16_keys) {
+          if (q.bf16) {
             // Rows with a score that is not finite (an Inf or NaN key, a sum past the float range)
             // take the float path's scores for these keys: Inf and NaN land where they land there.
-            uint32_t redo = decode::Bf16KeyScores(amx_keys, qb, ldb, R, krows, depth, p.scale,
+            uint32_t redo = decode::Bf16KeyScores(amx_keys, q.pairs, q.ldb, R, krows, depth, p.scale,
                                                   s + static_cast<int64_t>(kb * N), block, ahead);
             for (int64_t r = 0; redo != 0; ++r, redo >>= 1) {
               if (!(redo & 1)) continue;
-              const auto sc = DotScores(d, tail, qs + r * ldq, kv, krows, depth);
+              const auto sc = DotScores(d, q.tail, q.rows + r * ldq, kv, krows, depth);
               hn::Store(sc, d, s + r * block + kb * N);
             }
             continue;
@@ -377,14 +414,14 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
         for (size_t x = 0; x < N; ++x) kv.Stage(d, krows[x], depth, kstage + x * N, N * N);
         for (int64_t r = 0; r < R; ++r) {
           ahead.Issue(decode::kFloatWork * N * depth);
-          hn::Store(StagedScores(d, qs + r * ldq, kstage, ldq / N), d, s + r * block + kb * N);
+          hn::Store(StagedScores(d, q.rows + r * ldq, kstage, ldq / N), d, s + r * block + kb * N);
         }
       } else if constexpr (decode::GroupKeys<Kv>()) {
-        GroupedKeyScores(d, tail, qs, ldq, R, kv, krows, depth, s + kb * N, block, ahead);
+        GroupedKeyScores(d, q.tail, q.rows, ldq, R, kv, krows, depth, s + kb * N, block, ahead);
       } else {
         for (int64_t r = 0; r < R; ++r) {
           ahead.Issue(decode::kFloatWork * N * depth);
-          const auto sc = DotScores(d, tail, qs + r * ldq, kv, krows, depth);
+          const auto sc = DotScores(d, q.tail, q.rows + r * ldq, kv, krows, depth);
           hn::Store(sc, d, s + r * block + kb * N);
         }
       }
