@@ -26,9 +26,10 @@ T tile_element(const View<const T>& x, int64_t b, int64_t h, int64_t slot, int64
   return x.at(b, h, first + index / width, index % width);
 }
 
-// Scale element e of slot `slot` of (b, h) of a quantized plane of keys (tiles) or values (rows).
-float scale_at(const View<const float>& scales, int64_t b, int64_t h, int64_t slot, int64_t e, bool keys) {
-  return keys ? tile_element(scales, b, h, slot, 16 * e + slot % 16) : scales.at(b, h, slot, e);
+// Scale element e of slot `slot` of (b, h) of a quantized plane: keys' and values' scales are
+// transposed by tiles (element e of the tile's slot l at index 16e + l).
+float scale_at(const View<const float>& scales, int64_t b, int64_t h, int64_t slot, int64_t e) {
+  return tile_element(scales, b, h, slot, 16 * e + slot % 16);
 }
 
 // Value c of a slot of (b, h) of a quantized plane, decoded from the documented format
@@ -45,8 +46,8 @@ double decode(const View<const uint8_t>& codes, const View<const float>& scales,
     const uint8_t byte = bits == 8 ? codes.at(b, h, slot, c) : codes.at(b, h, slot, g * 16 + i % 16);
     code = bits == 8 ? byte : i < 16 ? byte & 0xF : byte >> 4;
   }
-  return scale_at(scales, b, h, slot, 2 * g + 1, keys) +
-         static_cast<double>(scale_at(scales, b, h, slot, 2 * g, keys)) * code;
+  return scale_at(scales, b, h, slot, 2 * g + 1) +
+         static_cast<double>(scale_at(scales, b, h, slot, 2 * g)) * code;
 }
 
 class KvCacheQuant : public ::testing::TestWithParam<CacheType> {};
@@ -111,9 +112,9 @@ TEST_P(KvCacheQuant, StoresTheDocumentedFormat) {
             const double chs = keys ? ch.at(b, h, e) : 1.0;
             const double want = x.view<float>().at(b, h, t, e);
             const int64_t oi = keys ? outlier_index(e) : -1;
-            auto minimum = [&](int64_t c) { return scale_at(scales, b, h, slot, 2 * (c / 32) + 1, keys); };
+            auto minimum = [&](int64_t c) { return scale_at(scales, b, h, slot, 2 * (c / 32) + 1); };
             if (oi >= 0) {  // kept exactly after the groups' pairs; its code is 0
-              EXPECT_EQ(scale_at(scales, b, h, slot, 4 + oi, keys), static_cast<float>(want));
+              EXPECT_EQ(scale_at(scales, b, h, slot, 4 + oi), static_cast<float>(want));
               EXPECT_EQ(read.view<float>().at(b, h, slot, e), static_cast<float>(want));
               EXPECT_EQ(decode(codes, scales, b, h, slot, e, bits, keys), minimum(e));
               continue;
@@ -121,12 +122,12 @@ TEST_P(KvCacheQuant, StoresTheDocumentedFormat) {
             const double got = decode(codes, scales, b, h, slot, e, bits, keys) * chs;
             EXPECT_EQ(static_cast<float>(got), read.view<float>().at(b, h, slot, e)) << b << h << slot << e;
             // Rounded to the nearest code: half a step of the group (plus the float rounding).
-            const double step = scale_at(scales, b, h, slot, 2 * (e / 32), keys) * chs;
+            const double step = scale_at(scales, b, h, slot, 2 * (e / 32)) * chs;
             EXPECT_LE(std::fabs(got - want), step / 2 + 1e-6 * (std::fabs(want) + step * levels)) << e;
           }
           for (int64_t e = width; e < (width + 31) / 32 * 32; ++e)
             EXPECT_EQ(decode(codes, scales, b, h, slot, e, bits, keys),
-                      scale_at(scales, b, h, slot, 2 * (e / 32) + 1, keys));
+                      scale_at(scales, b, h, slot, 2 * (e / 32) + 1));
         };
         check_row(kc, ks, k, kf, 40, true);
         check_row(vc, vs, v, vf, 70, false);

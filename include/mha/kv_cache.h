@@ -33,8 +33,10 @@
 // slot l) at bytes 4l .. 4l + 3 of each: word w holds the codes of channels 4w .. 4w + 3 (int8,
 // byte k: channel 4w + k) or 8w .. 8w + 7 (int4, byte k: channel 8w + k in the low nibble,
 // 8w + 4 + k in the high one). A tile's scales (its 16 rows of key_scales()) are transposed:
-// scale element e of lane l at index 16e + l of the tile's 16 · (2 · groups + 4) floats. Values
-// are stored a row per slot, as above.
+// scale element e of lane l at index 16e + l of the tile's 16 · (2 · groups + 4) floats. Values'
+// codes are stored a row per slot, as above; their scales are transposed by tiles of 16 slots
+// the same way (16 · 2 · groups floats a tile), so that the kernel reads 16 keys' scales per
+// vector.
 // Error bounds: docs/numerics.md ("KV cache storage").
 #ifndef MHA_KV_CACHE_H_
 #define MHA_KV_CACHE_H_
@@ -115,7 +117,8 @@ class KvCache {
   }
   // The storage of an int8/int4 cache (an mha::Error for other types): codes (B, Hkv, capacity,
   // row bytes) and scales: (scale, minimum) pairs (B, Hkv, capacity, 2 · groups), groups =
-  // ⌈D / 32⌉, followed for keys by the kCacheKeyOutliers outlier channel values (2 · groups + 4).
+  // ⌈D / 32⌉, followed for keys by the kCacheKeyOutliers outlier channel values (2 · groups + 4);
+  // keys' codes and scales, and values' scales, laid out by tiles of 16 slots (above).
   View<const uint8_t> key_codes() const;
   View<const uint8_t> value_codes() const;
   View<const float> key_scales() const;

@@ -71,8 +71,9 @@ class PagedKvCache {
   // For attend(): the pool's planes, head-major: (Hkv, pages, page_size, row elements) and, for
   // int8/int4, (Hkv, pages, page_size, 2 · groups (+ kCacheKeyOutliers for keys)) scales (a
   // sequence's pages taken in a row are then one run of memory per head, which the decode reads
-  // faster than runs of one page); key channel scales of id (Hkv, Dk) and its outlier key
-  // channels (Hkv, kCacheKeyOutliers), as KvCache's.
+  // faster than runs of one page; keys and value scales by tiles of 16 slots, as KvCache's); key
+  // channel scales of id (Hkv, Dk) and its outlier key channels (Hkv, kCacheKeyOutliers), as
+  // KvCache's.
   const Tensor& key_pool() const { return k_; }
   const Tensor& value_pool() const { return v_; }
   const Tensor& key_scale_pool() const { return k_scales_; }

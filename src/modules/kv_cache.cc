@@ -133,7 +133,6 @@ Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, bool keys, in
     return out;
   }
   Tensor out(DType::kF32, {c.batch, c.kv_heads, capacity_, width});
-  const int64_t row_bytes = data.shape()[3], row_scales = scales.shape()[3];
   const int64_t rows = c.batch * c.kv_heads * capacity_;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / (c.kv_heads * capacity_), slot = r % capacity_;
@@ -147,7 +146,7 @@ Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, bool keys, in
     if (keys)
       read_key_row(data.data<uint8_t>(), scales.data<float>(), r, ch, outliers, width, c.dtype, dst);
     else
-      read_row(data.data<uint8_t>() + r * row_bytes, scales.data<float>() + r * row_scales, width, c.dtype, dst);
+      read_value_row(data.data<uint8_t>(), scales.data<float>(), r, width, c.dtype, dst);
   }
   return out;
 }
@@ -268,11 +267,12 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
           write_key_row(key, k.stride[3], c.head_dim_qk, c.dtype, inv.data(), outliers, k_.data<uint8_t>(),
                         k_scales_.data<float>(), row);
         else
-          write_row(key, k.stride[3], c.head_dim_qk, c.dtype, static_cast<std::byte*>(k_.raw()) + row * kw * es,
-                    nullptr);
-        write_row(v.data + b * v.stride[0] + h * v.stride[1] + t * v.stride[2], v.stride[3], c.head_dim_v, c.dtype,
-                  static_cast<std::byte*>(v_.raw()) + row * vw * es,
-                  bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);
+          write_row(key, k.stride[3], c.head_dim_qk, c.dtype, static_cast<std::byte*>(k_.raw()) + row * kw * es);
+        const float* value = v.data + b * v.stride[0] + h * v.stride[1] + t * v.stride[2];
+        if (bits)
+          write_value_row(value, v.stride[3], c.head_dim_v, c.dtype, v_.data<uint8_t>(), v_scales_.data<float>(), row);
+        else
+          write_row(value, v.stride[3], c.head_dim_v, c.dtype, static_cast<std::byte*>(v_.raw()) + row * vw * es);
       }
     }
     length_[b] += cnt;

@@ -100,10 +100,10 @@ int get_code(const uint8_t* codes, CodeAt at, int bits) {
 // Row r's tile: its codes and scales (scale_elements rows of kCacheKeyTile floats), its lane.
 struct TileOf {
   int64_t lane, codes, scales;  // offsets into the pools
-  TileOf(int64_t r, int64_t width, CacheType type)
+  TileOf(int64_t r, int64_t width, CacheType type, bool keys)
       : lane(r % kCacheKeyTile),
         codes(r / kCacheKeyTile * kCacheKeyTile * row_elements(type, width)),
-        scales(r / kCacheKeyTile * kCacheKeyTile * scale_elements(width, true)) {}
+        scales(r / kCacheKeyTile * kCacheKeyTile * scale_elements(width, keys)) {}
 };
 
 // `width` values of a row read back as float32 into dst: code(c) dequantized with scale(e) as
@@ -149,16 +149,9 @@ int64_t row_elements(CacheType t, int64_t width) {
   return bits ? quant_groups(width) * kCacheQuantGroup * bits / 8 : width;
 }
 
-void write_row(const float* row, int64_t cs, int64_t width, CacheType type, void* data, float* scales) {
-  const int bits = quant_bits(type);
-  if (bits) {
-    auto* codes = static_cast<uint8_t*>(data);
-    quantize_row(
-        row, cs, width, bits, nullptr, nullptr,
-        [&](int64_t c, uint8_t code) { put_code(codes, row_code_at(bits, c), bits, code); },
-        [&](int64_t e) -> float& { return scales[e]; });
-    return;
-  }
+void write_row(const float* row, int64_t cs, int64_t width, CacheType type, void* data) {
+  MHA_CHECK(!quant_bits(type), "write_row: {} rows are stored by write_key_row / write_value_row",
+            cache_type_name(type));
   const DType dtype = element_type(type);
   if (dtype == DType::kF32) {
     float* dst = static_cast<float*>(data);
@@ -174,14 +167,8 @@ void write_row(const float* row, int64_t cs, int64_t width, CacheType type, void
     dst[d] = dtype == DType::kBF16 ? float_to_bf16(row[d * cs]) : float_to_half(row[d * cs]);
 }
 
-void read_row(const void* data, const float* scales, int64_t width, CacheType type, float* dst) {
-  const int bits = quant_bits(type);
-  if (bits) {
-    const auto* codes = static_cast<const uint8_t*>(data);
-    dequantize_row([&](int64_t c) { return get_code(codes, row_code_at(bits, c), bits); },
-                   [&](int64_t e) { return scales[e]; }, nullptr, nullptr, width, dst);
-    return;
-  }
+void read_row(const void* data, int64_t width, CacheType type, float* dst) {
+  MHA_CHECK(!quant_bits(type), "read_row: {} rows are read by read_key_row / read_value_row", cache_type_name(type));
   if (type == CacheType::kF32) {
     std::copy(static_cast<const float*>(data), static_cast<const float*>(data) + width, dst);
     return;
@@ -192,7 +179,7 @@ void read_row(const void* data, const float* scales, int64_t width, CacheType ty
 void write_key_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel,
                    const int64_t* outliers, uint8_t* codes, float* scales, int64_t r) {
   const int bits = quant_bits(type);
-  const TileOf t(r, width, type);
+  const TileOf t(r, width, type, true);
   quantize_row(
       row, cs, width, bits, inv_channel, outliers,
       [&](int64_t c, uint8_t code) { put_code(codes + t.codes, tile_code_at(bits, t.lane, c), bits, code); },
@@ -202,9 +189,29 @@ void write_key_row(const float* row, int64_t cs, int64_t width, CacheType type, 
 void read_key_row(const uint8_t* codes, const float* scales, int64_t r, const float* channel, const int64_t* outliers,
                   int64_t width, CacheType type, float* dst) {
   const int bits = quant_bits(type);
-  const TileOf t(r, width, type);
+  const TileOf t(r, width, type, true);
   dequantize_row([&](int64_t c) { return get_code(codes + t.codes, tile_code_at(bits, t.lane, c), bits); },
                  [&](int64_t e) { return scales[t.scales + e * kCacheKeyTile + t.lane]; }, channel, outliers, width,
+                 dst);
+}
+
+void write_value_row(const float* row, int64_t cs, int64_t width, CacheType type, uint8_t* codes, float* scales,
+                     int64_t r) {
+  const int bits = quant_bits(type);
+  const TileOf t(r, width, type, false);
+  uint8_t* at = codes + r * row_elements(type, width);
+  quantize_row(
+      row, cs, width, bits, nullptr, nullptr,
+      [&](int64_t c, uint8_t code) { put_code(at, row_code_at(bits, c), bits, code); },
+      [&](int64_t e) -> float& { return scales[t.scales + e * kCacheKeyTile + t.lane]; });
+}
+
+void read_value_row(const uint8_t* codes, const float* scales, int64_t r, int64_t width, CacheType type, float* dst) {
+  const int bits = quant_bits(type);
+  const TileOf t(r, width, type, false);
+  const uint8_t* at = codes + r * row_elements(type, width);
+  dequantize_row([&](int64_t c) { return get_code(at, row_code_at(bits, c), bits); },
+                 [&](int64_t e) { return scales[t.scales + e * kCacheKeyTile + t.lane]; }, nullptr, nullptr, width,
                  dst);
 }
 

@@ -25,12 +25,11 @@ int64_t row_elements(CacheType t, int64_t width);  // stored elements (bytes for
 int64_t scale_elements(int64_t width, bool keys);
 int64_t outlier_offset(int64_t width);
 
-// Stores a value row, or a key row of a float32/bfloat16/float16 cache: row[0 .. width) (column
-// stride cs) at data (row_elements of the type) and, for int8/int4, its scales at scales
-// (scale_elements).
-void write_row(const float* row, int64_t cs, int64_t width, CacheType type, void* data, float* scales);
+// Stores a row of a float32/bfloat16/float16 cache: row[0 .. width) (column stride cs) at data
+// (row_elements of the type). int8/int4 rows: write_key_row, write_value_row (an mha::Error here).
+void write_row(const float* row, int64_t cs, int64_t width, CacheType type, void* data);
 // The stored row (as write_row's) as float32 into dst.
-void read_row(const void* data, const float* scales, int64_t width, CacheType type, float* dst);
+void read_row(const void* data, int64_t width, CacheType type, float* dst);
 // Key rows of int8/int4 caches are stored in tiles of kCacheKeyTile rows (kv_cache.h): row r of
 // the pools codes (row_elements bytes per row) and scales (scale_elements(width, true) floats per
 // row), whose (sequence, kv head) planes start at multiples of kCacheKeyTile rows. inv_channel
@@ -40,6 +39,11 @@ void write_key_row(const float* row, int64_t cs, int64_t width, CacheType type, 
                    const int64_t* outliers, uint8_t* codes, float* scales, int64_t r);
 void read_key_row(const uint8_t* codes, const float* scales, int64_t r, const float* channel, const int64_t* outliers,
                   int64_t width, CacheType type, float* dst);
+// Value rows of int8/int4 caches: codes a row each (row r at r · row_elements), scales by tiles
+// of kCacheKeyTile rows as the keys' (scale_elements(width, false) floats per row; kv_cache.h).
+void write_value_row(const float* row, int64_t cs, int64_t width, CacheType type, uint8_t* codes, float* scales,
+                     int64_t r);
+void read_value_row(const uint8_t* codes, const float* scales, int64_t r, int64_t width, CacheType type, float* dst);
 // A sequence's key channels from its first n rows (row stride row_stride, column stride cs):
 // outliers[0 .. kCacheKeyOutliers), the channels of rms above 4× the median (the largest
 // first, at most kCacheKeyOutliers, in channel order, -1 after them), and the channel scales

@@ -229,10 +229,12 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
         write_key_row(key, k.stride[2], c.head_dim_qk, c.dtype, inv.data(), s.outliers.data() + h * kCacheKeyOutliers,
                       k_.data<uint8_t>(), k_scales_.data<float>(), row);
       else
-        write_row(key, k.stride[2], c.head_dim_qk, c.dtype, static_cast<std::byte*>(k_.raw()) + row * kw * es, nullptr);
-      write_row(v.data + h * v.stride[0] + t * v.stride[1], v.stride[2], c.head_dim_v, c.dtype,
-                static_cast<std::byte*>(v_.raw()) + row * vw * es,
-                bits ? v_scales_.data<float>() + row * v_scales_.shape()[3] : nullptr);
+        write_row(key, k.stride[2], c.head_dim_qk, c.dtype, static_cast<std::byte*>(k_.raw()) + row * kw * es);
+      const float* value = v.data + h * v.stride[0] + t * v.stride[1];
+      if (bits)  // and their value scales whole tiles
+        write_value_row(value, v.stride[2], c.head_dim_v, c.dtype, v_.data<uint8_t>(), v_scales_.data<float>(), row);
+      else
+        write_row(value, v.stride[2], c.head_dim_v, c.dtype, static_cast<std::byte*>(v_.raw()) + row * vw * es);
     }
   }
   s.length = end;
@@ -257,12 +259,13 @@ Tensor PagedKvCache::as_float(int64_t id, bool keys) const {
     for (int64_t pos = first; pos < s.length; ++pos) {
       const int64_t row = pool_row(s, h, pos);
       float* dst = out.data<float>() + (h * (s.length - first) + pos - first) * D;
-      if (keys && scales.defined())
+      if (scales.defined() && keys)
         read_key_row(data.data<uint8_t>(), scales.data<float>(), row, s.channels.data() + h * D,
                      s.outliers.data() + h * kCacheKeyOutliers, D, c.dtype, dst);
+      else if (scales.defined())
+        read_value_row(data.data<uint8_t>(), scales.data<float>(), row, D, c.dtype, dst);
       else
-        read_row(static_cast<const std::byte*>(data.raw()) + row * width * es,
-                 scales.defined() ? scales.data<float>() + row * scales.shape()[3] : nullptr, D, c.dtype, dst);
+        read_row(static_cast<const std::byte*>(data.raw()) + row * width * es, D, c.dtype, dst);
     }
   return out;
 }

@@ -114,32 +114,26 @@ constexpr bool FoldsValueScales() {
   return Kv::kKeyTiles && !HWY_HAVE_SCALABLE && kOutVecs * hn::MaxLanes(DF()) == static_cast<size_t>(kCacheQuantGroup);
 }
 
-// The weights of a folded value pass over int8/int4 values: P·(scale·code + minimum) =
-// (P·scale)·code + P·minimum per group, so that the pass needs one FMA per value and row where
-// dequantizing took one more per value and row group (measured on the cache-resident int8 step:
-// docs/benchmarks.md). For rows r < R, value groups g < groups and the block's keys j < jn:
-// w[(g·R + r)·ldp + j] = P[r][j]·scale_g(j), and mins[g·R + r] = Σ_j P[r][j]·minimum_g(j) (N keys
-// in the lanes, then across them: a fixed order). The keys' scales are first copied into st
-// (2·groups rows of ldp, keys in order, zeros past jn up to a whole vector) by N×N transposes
-// of N keys' rows (a block's value rows may lie in different pages; scalar copies took the
-// gain away), which the products then read by vectors.
+// A block's value scales (keys j < jn from vrows, the block's first at a multiple of N) into st:
+// 2·groups rows of ldp floats, element e of key j at st[e·ldp + j], zeros past jn up to a whole
+// vector, which the weights' products then read by vectors. The scales lie by tiles of
+// kCacheKeyTile rows (kv_cache.h): N keys from a multiple of N share a tile (N divides it), so
+// their element e is N adjacent floats, one load. (Stored a row per key, as before the tiles,
+// they took 16 × 16 transposes: ~8% of the cache-resident int8 step, docs/benchmarks.md.)
 template <class Kv>
-HWY_INLINE void TransposeValueScales(DF d, size_t ldp, const typename Kv::Row* vrows, size_t jn, size_t groups,
-                                     float* HWY_RESTRICT st) {
-  const size_t N = hn::Lanes(d), jv = (jn + N - 1) / N * N;
-  const float* rows[hn::MaxLanes(DF())];
+HWY_INLINE void StageValueScales(DF d, size_t ldp, const typename Kv::Row* vrows, size_t jn, size_t groups,
+                                 float* HWY_RESTRICT st) {
+  const size_t N = hn::Lanes(d);
   for (size_t x0 = 0; x0 < jn; x0 += N) {
-    for (size_t x = 0; x < N; ++x) rows[x] = vrows[std::min(x0 + x, jn - 1)].scales;
-    for (size_t i0 = 0; i0 < 2 * groups; i0 += N) {
-      Transpose(d, rows, std::min(N, 2 * groups - i0), st + i0 * ldp + x0, ldp, 1.0f);
-      for (size_t x = 0; x < N; ++x) rows[x] += N;
-    }
+    const float* at = vrows[x0].scales;  // lane x0 % kCacheKeyTile of its tile: a multiple of N
+    const auto keep = hn::FirstN(d, jn - x0);
+    for (size_t e = 0; e < 2 * groups; ++e)
+      hn::Store(hn::IfThenElseZero(keep, hn::LoadU(d, at + e * kCacheKeyTile)), d, st + e * ldp + x0);
   }
-  for (size_t i = 0; i < 2 * groups; ++i) std::fill(st + i * ldp + jn, st + i * ldp + jv, 0.0f);
 }
 
 // For the integer value passes' weights (ByteValueWeights, WordValueWeights): smax[g] = the
-// largest scale of group g in st (TransposeValueScales's rows, keys j < jv, a multiple of
+// largest scale of group g in st (StageValueScales's rows, keys j < jv, a multiple of
 // Lanes(d)); false where a scale is negative or not finite, or a minimum not finite.
 template <class D>
 HWY_INLINE bool ValueScaleMaxima(D d, const float* st, size_t ldp, size_t jv, size_t groups, float* smax) {
@@ -199,13 +193,20 @@ HWY_INLINE void ScaleAndAddGroupMins(DF d, const float* alpha, const float* mins
   }
 }
 
+// The weights of a folded value pass over int8/int4 values: P·(scale·code + minimum) =
+// (P·scale)·code + P·minimum per group, so that the pass needs one FMA per value and row where
+// dequantizing took one more per value and row group (measured on the cache-resident int8 step:
+// docs/benchmarks.md). For rows r < R, value groups g < groups and the block's keys j < jn:
+// w[(g·R + r)·ldp + j] = P[r][j]·scale_g(j), and mins[g·R + r] = Σ_j P[r][j]·minimum_g(j) (N keys
+// in the lanes, then across them: a fixed order), on the scales staged into st
+// (StageValueScales).
 template <class Kv>
 HWY_INLINE void FoldValueWeights(DF d, const float* pr, size_t ldp, size_t R, const typename Kv::Row* vrows, size_t jn,
                                  size_t groups, float* HWY_RESTRICT st, float* HWY_RESTRICT w,
                                  float* HWY_RESTRICT mins) {
   using V = hn::Vec<DF>;
   const size_t N = hn::Lanes(d), jv = (jn + N - 1) / N * N;
-  TransposeValueScales<Kv>(d, ldp, vrows, jn, groups, st);
+  StageValueScales<Kv>(d, ldp, vrows, jn, groups, st);
   for (size_t g = 0; g < groups; ++g) {
     const float* scale = st + 2 * g * ldp;
     const float* minimum = scale + ldp;

@@ -39,8 +39,8 @@ namespace decode {
 // passes 255 steps (Pmax_r·Smax_g would take 128 to 255): u[(g·R + r)·ldp + j] (zeros from jn up to
 // a whole vector), steps[g·R + r]. A power of two keeps w / step exact, so weights of 1 and 0, or
 // all equal, are exact bytes. mins[g·R + r] = Σ_j P_j·(minimum_g(j) + 8·scale_g(j)), for the pass
-// multiplies each u_j by code − 8. The keys' scales are first transposed into st (as
-// FoldValueWeights does). False where a Pmax is not finite, or a scale is negative or a scale or
+// multiplies each u_j by code − 8. The keys' scales are first staged into st
+// (StageValueScales). False where a Pmax is not finite, or a scale is negative or a scale or
 // minimum not finite: the float pass then takes the block. steps needs groups · (R + 1).
 template <class Kv>
 HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, const float* pmax,
@@ -48,7 +48,7 @@ HWY_INLINE bool ByteValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
                                  uint8_t* HWY_RESTRICT u, float* steps, float* mins) {
   for (size_t r = 0; r < R; ++r)
     if (!std::isfinite(pmax[r])) return false;
-  TransposeValueScales<Kv>(d, ldp, vrows, jn, groups, st);
+  StageValueScales<Kv>(d, ldp, vrows, jn, groups, st);
   // 256-bit vectors on both targets (AVX2's packs and permutes below).
   const hn::Full256<float> d8;
   using V = hn::Vec<decltype(d8)>;
@@ -187,8 +187,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
     const QuantKv<4>::Row b = QuantKv<4>::Columns(vrows[j + 1], c0);
     ahead.Issue(kFloatWork * 2 * RG * NV * 16);
     for (size_t g = 0; g < NG; ++g) {
-      const __m512 ta = _mm512_fmadd_ps(iota, _mm512_set1_ps(a.scales[2 * g]), _mm512_set1_ps(a.scales[2 * g + 1]));
-      const __m512 tb = _mm512_fmadd_ps(iota, _mm512_set1_ps(b.scales[2 * g]), _mm512_set1_ps(b.scales[2 * g + 1]));
+      const __m512 ta = _mm512_fmadd_ps(iota, _mm512_set1_ps(a.scale(2 * g)), _mm512_set1_ps(a.scale(2 * g + 1)));
+      const __m512 tb = _mm512_fmadd_ps(iota, _mm512_set1_ps(b.scale(2 * g)), _mm512_set1_ps(b.scale(2 * g + 1)));
       const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(tb, ta));  // words 0-15: key j's
       // Byte i of a group's 16 holds column i (low nibble) and i + 16 (high): key j's bytes in the
       // low words of dwords, key j + 1's in the high.

@@ -57,7 +57,7 @@ HWY_INLINE void StoreWords(hn::Vec<DF> w, int16_t* p) {
 // largest P in the block, from the softmax; Smax_g: the keys' largest scale in the group), so that
 // no word passes 32767: u[(g·R + r)·ldp + j] (zeros from jn up to a whole vector), steps[g·R + r].
 // A power of two keeps w / step exact. mins[g·R + r] = Σ_j P_j·minimum_g(j). The keys' scales are
-// first transposed into st (as FoldValueWeights does). False where a Pmax is not finite
+// first staged into st (StageValueScales). False where a Pmax is not finite
 // (BlockSoftmax makes it so where a P is not), a scale or a minimum is not finite, or a scale is
 // negative: the float pass then takes the block. steps needs groups · (R + 1). (Centring the codes,
 // as the int4 pass does, would halve the worst case of the roundings' effect, 6.0e-4 → 3.3e-4
@@ -69,7 +69,7 @@ HWY_INLINE bool WordValueWeights(DF d, const float* pr, size_t ldp, size_t R, co
   using V = hn::Vec<DF>;
   for (size_t r = 0; r < R; ++r)
     if (!std::isfinite(pmax[r])) return false;
-  TransposeValueScales<QuantKv<8>>(d, ldp, vrows, jn, groups, st);
+  StageValueScales<QuantKv<8>>(d, ldp, vrows, jn, groups, st);
   const size_t N = hn::Lanes(d), jv = (jn + N - 1) / N * N;
   float* smax = steps + groups * R;
   if (!ValueScaleMaxima(d, st, ldp, jv, groups, smax)) return false;  // before any weight is written

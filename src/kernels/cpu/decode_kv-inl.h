@@ -123,9 +123,12 @@ struct PlainKv {
 
 template <int kBits>
 struct QuantKv {
+  // A value row: its codes, and its (scale, minimum) pairs per group in its lane of their tile
+  // (kv_cache.h: element e at scales[kCacheKeyTile · e], as scale(e) reads it).
   struct Row {
     const uint8_t* codes;
-    const float* scales;  // (scale, minimum) per group
+    const float* scales;
+    float scale(size_t e) const { return scales[static_cast<size_t>(kCacheKeyTile) * e]; }
   };
   // The codes and transposed scales of the kCacheKeyTile keys of a tile (kv_cache.h).
   struct Tile {
@@ -159,10 +162,14 @@ struct QuantKv {
   // The tile of keys j .. j + kCacheKeyTile (j a multiple of it): row j of a plane or a page is
   // where its tile starts.
   Tile KeyTile(int64_t j) const { return {k + kr(j), ksc + ksr(j)}; }
-  Row value(int64_t j) const { return {v + vr(j), vsc + vsr(j)}; }
+  // Value j's codes and its lane of its scales' tile (tile start: row j − lane of the plane or page).
+  Row value(int64_t j) const {
+    const int64_t lane = j % kCacheKeyTile;
+    return {v + vr(j), vsc + vsr(j - lane) + lane};
+  }
   static constexpr size_t kColumnAlign = kGroup;  // Columns starts at a group
   static Row Columns(Row r, size_t c0) {
-    return {r.codes + c0 / kGroup * kGroupBytes, r.scales + c0 / kGroup * 2};
+    return {r.codes + c0 / kGroup * kGroupBytes, r.scales + c0 / kGroup * 2 * kCacheKeyTile};
   }
   // Codes [i, i + N) of group g as float (i a multiple of N, N divides the group).
   HWY_INLINE static hn::Vec<DF> Codes(DF d, Row r, size_t g, size_t i) {
@@ -179,7 +186,7 @@ struct QuantKv {
   }
   HWY_INLINE hn::Vec<DF> Load(DF d, Row r, size_t c) const {
     const size_t g = c / kGroup;
-    return hn::MulAdd(Codes(d, r, g, c % kGroup), hn::Set(d, r.scales[2 * g]), hn::Set(d, r.scales[2 * g + 1]));
+    return hn::MulAdd(Codes(d, r, g, c % kGroup), hn::Set(d, r.scale(2 * g)), hn::Set(d, r.scale(2 * g + 1)));
   }
   HWY_INLINE hn::Vec<DF> LoadPartial(DF d, Row r, size_t c, size_t) const { return Load(d, r, c); }
   // The lines of the key tiles that hold keys [lo, hi) / of values [lo, hi), into the streams of
@@ -194,6 +201,8 @@ struct QuantKv {
   void AheadValues(LineStream& ahead, int64_t lo, int64_t hi) const {
     const size_t scales = vbytes / kGroupBytes * 2 * sizeof(float);
     vr.Runs(lo, hi, 1, vbytes, [&](int64_t at, size_t bytes) { ahead.Add(2, v + at, bytes); });
+    lo = lo / kCacheKeyTile * kCacheKeyTile;  // the scales' tiles
+    hi = (hi + kCacheKeyTile - 1) / kCacheKeyTile * kCacheKeyTile;
     vsr.Runs(lo, hi, sizeof(float), scales, [&](int64_t at, size_t bytes) { ahead.Add(3, vsc + at, bytes); });
   }
 };
