@@ -98,6 +98,7 @@ int get_code(const uint8_t* codes, CodeAt at, int bits) {
 }
 
 // Row r's tile: its codes and scales (scale_elements rows of kCacheKeyTile floats), its lane.
+// Value rows take only the scales' offset (their codes are a row each).
 struct TileOf {
   int64_t lane, codes, scales;  // offsets into the pools
   TileOf(int64_t r, int64_t width, CacheType type, bool keys)
