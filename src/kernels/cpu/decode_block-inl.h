@@ -118,8 +118,7 @@ constexpr bool FoldsValueScales() {
 // 2·groups rows of ldp floats, element e of key j at st[e·ldp + j], zeros past jn up to a whole
 // vector, which the weights' products then read by vectors. The scales lie by tiles of
 // kCacheKeyTile rows (kv_cache.h): N keys from a multiple of N share a tile (N divides it), so
-// their element e is N adjacent floats, one load. (Stored a row per key, as before the tiles,
-// they took 16 × 16 transposes: ~8% of the cache-resident int8 step, docs/benchmarks.md.)
+// their element e is N adjacent floats, one load (rows took transposes: docs/benchmarks.md).
 template <class Kv>
 HWY_INLINE void StageValueScales(DF d, size_t ldp, const typename Kv::Row* vrows, size_t jn, size_t groups,
                                  float* HWY_RESTRICT st) {
