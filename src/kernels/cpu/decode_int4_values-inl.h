@@ -257,8 +257,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni,avx512vbmi"))) void Int4O
   __m512i acc[RT][NV];
   for (size_t r = 0; r < RT; ++r)
     for (size_t c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_si512();
-  auto load = [&](size_t j) HWY_ATTR {  // key j's bytes of the pass (keys past jn: the last, weighted 0)
-    const uint8_t* p = QuantKv<4>::Columns(vrows[std::min(j, jn - 1)], c0).codes;
+  auto load = [&](size_t j) HWY_ATTR {  // key j's bytes of the pass (vrows past jn: the last, weighted 0)
+    const uint8_t* p = QuantKv<4>::Columns(vrows[j], c0).codes;
     if constexpr (NG == 2) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   };

@@ -149,7 +149,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   if constexpr (Kv::kKeyTiles) ua = ua / static_cast<int64_t>(N) * static_cast<int64_t>(N);
   const Kv kv(p, b, hk);
   typename Kv::Row krows[hn::MaxLanes(DF())];
-  typename Kv::Row vrows[kBlockVecs<Kv> * hn::MaxLanes(DF()) + 1];
+  typename Kv::Row vrows[kBlockVecs<Kv> * hn::MaxLanes(DF()) + 3];
   // Keys not of float are widened or dequantized once per N keys into a stage interleaved by
   // vector, which every query row reads (StagedScores; on AVX2, GroupedKeyScores: no stage).
   constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles && !decode::GroupKeys<Kv>();
@@ -277,10 +277,11 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     // Softcap and ALiBi, mask, then the online softmax of each row.
     decode::BlockSoftmax<kBlockVecs<Kv>>(d, p, b, hk, rows, R, j0, jn, seen, s, m, l, alpha,
                                          int_values ? pmax : nullptr);
-    // The block's value rows, found once for every pass below; quantized (QuantKv), at jn the
-    // last again: an odd last key's partner (weighted 0) in the passes that take keys by pairs.
+    // The block's value rows, found once for every pass below; quantized (QuantKv), at jn .. jn + 2
+    // the last again: the partners (weighted 0) of the last keys in the passes that take keys by
+    // pairs or by fours.
     for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
-    if constexpr (Kv::kKeyTiles) vrows[jn] = vrows[jn - 1];
+    if constexpr (Kv::kKeyTiles) std::fill(vrows + jn, vrows + jn + 3, vrows[jn - 1]);
     // A key of the block that a row does not see (a window's first block, a causal last block of
     // several queries, a sink gap; for key tiles, keys before the first, read from a multiple of
     // N) has P = 0 in that row, and 0 times a non-finite value is NaN. For such blocks the rows'
