@@ -226,7 +226,8 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline void PairWeigh
 // The value pass over an int4 cache with AVX-512 VNNI, RT rows and the NV vectors of 16 columns
 // from c0 (a multiple of 64: groups c0 / 32 and, for NV > 2, the next): O = alpha·O + mins +
 // Σ_j step·u_j·(code_j − 8) per group, on ByteValueWeights's bytes u, steps and mins (a row's
-// at +1, a group's at +ldg, bytes of a row ldu apart). Keys by fours: vpermt2b (AVX-512 VBMI)
+// at +1, a group's at +ldg, bytes of a row ldu apart; vrows[jn .. jn + 2] the last row again, the
+// partners of the last keys, weighted 0). Keys by fours: vpermt2b (AVX-512 VBMI)
 // gathers the four keys' bytes of a column pair into a dword, and vpdpbusd adds the four products
 // weight × (code − 8) into the column's 32-bit lane: 64 products per instruction, where the
 // bfloat16 pass has 32 (and vdpbf16ps ran at a quarter of the FMAs' rate on the Xeon that
