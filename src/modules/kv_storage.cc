@@ -105,6 +105,9 @@ struct TileOf {
       : lane(r % kCacheKeyTile),
         codes(r / kCacheKeyTile * kCacheKeyTile * row_elements(type, width)),
         scales(r / kCacheKeyTile * kCacheKeyTile * scale_elements(width, keys)) {}
+  // Where the row's scale element e lies in the scales pool (transposed: lane l of element e at
+  // kCacheKeyTile · e + l of the tile).
+  int64_t scale_at(int64_t e) const { return scales + e * kCacheKeyTile + lane; }
 };
 
 // `width` values of a row read back as float32 into dst: code(c) dequantized with scale(e) as
@@ -184,7 +187,7 @@ void write_key_row(const float* row, int64_t cs, int64_t width, CacheType type, 
   quantize_row(
       row, cs, width, bits, inv_channel, outliers,
       [&](int64_t c, uint8_t code) { put_code(codes + t.codes, tile_code_at(bits, t.lane, c), bits, code); },
-      [&](int64_t e) -> float& { return scales[t.scales + e * kCacheKeyTile + t.lane]; });
+      [&](int64_t e) -> float& { return scales[t.scale_at(e)]; });
 }
 
 void read_key_row(const uint8_t* codes, const float* scales, int64_t r, const float* channel, const int64_t* outliers,
@@ -192,8 +195,7 @@ void read_key_row(const uint8_t* codes, const float* scales, int64_t r, const fl
   const int bits = quant_bits(type);
   const TileOf t(r, width, type, true);
   dequantize_row([&](int64_t c) { return get_code(codes + t.codes, tile_code_at(bits, t.lane, c), bits); },
-                 [&](int64_t e) { return scales[t.scales + e * kCacheKeyTile + t.lane]; }, channel, outliers, width,
-                 dst);
+                 [&](int64_t e) { return scales[t.scale_at(e)]; }, channel, outliers, width, dst);
 }
 
 void write_value_row(const float* row, int64_t cs, int64_t width, CacheType type, uint8_t* codes, float* scales,
@@ -204,7 +206,7 @@ void write_value_row(const float* row, int64_t cs, int64_t width, CacheType type
   quantize_row(
       row, cs, width, bits, nullptr, nullptr,
       [&](int64_t c, uint8_t code) { put_code(at, row_code_at(bits, c), bits, code); },
-      [&](int64_t e) -> float& { return scales[t.scales + e * kCacheKeyTile + t.lane]; });
+      [&](int64_t e) -> float& { return scales[t.scale_at(e)]; });
 }
 
 void read_value_row(const uint8_t* codes, const float* scales, int64_t r, int64_t width, CacheType type, float* dst) {
@@ -212,8 +214,7 @@ void read_value_row(const uint8_t* codes, const float* scales, int64_t r, int64_
   const TileOf t(r, width, type, false);
   const uint8_t* at = codes + r * row_elements(type, width);
   dequantize_row([&](int64_t c) { return get_code(at, row_code_at(bits, c), bits); },
-                 [&](int64_t e) { return scales[t.scales + e * kCacheKeyTile + t.lane]; }, nullptr, nullptr, width,
-                 dst);
+                 [&](int64_t e) { return scales[t.scale_at(e)]; }, nullptr, nullptr, width, dst);
 }
 
 void key_channels(const float* rows, int64_t row_stride, int64_t cs, int64_t n, int64_t D, float* s,
