@@ -76,8 +76,12 @@ run_python() {
   log=$(mktemp)
   (cd build && "$venv/bin/python" -m pytest -q -p no:cacheprovider ../tests/python) 2>&1 | tee "$log" || status=1
   local ok bad
-  ok=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | cut -d' ' -f1)
-  bad=$(grep -Eo '[0-9]+ (failed|error)' "$log" | awk '{s += $1} END {print s + 0}')
+  # The counts from pytest's summary line only ("1 failed, 247 passed, 2 warnings in 39.35s"):
+  # a failure's message may hold words such as "float32 error".
+  local summary
+  summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped)[ ,].* in [0-9.]+s' "$log" | tail -1 || true)
+  ok=$(grep -Eo '[0-9]+ passed' <<<"$summary" | cut -d' ' -f1 || true)
+  bad=$(grep -Eo '[0-9]+ (failed|errors?)' <<<"$summary" | awk '{s += $1} END {print s + 0}' || true)
   rm -f "$log"
   passed=$((passed + ${ok:-0}))
   if [ "$status" != 0 ] && [ "${bad:-0}" = 0 ]; then bad=1; fi
