@@ -148,12 +148,12 @@ def test_float_attn_mask_gradient_matches_torch(shape, dtype, backend):
     assert got[3].shape == mask.shape and got[3].dtype == dtype
     # The mask's gradient on the scale of its terms: a per-row bias (L, 1) has none (softmax
     # ignores a row's shift), only rounding.
-    drow = mask_grad_scale(q, k, v, r, want[4], mask, True, None, True)
+    dmask_scale = mask_grad_scale(q, k, v, r, want[4], mask, True, None, True)
     for name, gt, w, w32 in zip(("dq", "dk", "dv", "dmask"), got, want, ref):
         if fixed and name != "dmask":
             assert gt is None
             continue
-        s = max(float(w.abs().max()), drow if name == "dmask" else 0.0, 1e-30)
+        s = max(float(w.abs().max()), dmask_scale if name == "dmask" else 0.0, 1e-30)
         err = float((gt.double() - w).abs().max()) / s
         tol = float((w32.double() - w).abs().max()) / s
         record(f"autograd {name} of a float mask ({dtype})", err)
