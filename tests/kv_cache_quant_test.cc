@@ -209,8 +209,9 @@ TEST_P(KvCacheQuant, NonFiniteValuesMakeTheirGroupNaN) {
 // its value passes (the row's P is NaN, which gives the block's values to the float pass, every
 // row's). The other rows then move from the clean call by what those roundings move the output,
 // QuantDecode's bounds below (docs/numerics.md): 2^-12 for int8 keys' 16-bit query, 2^-9 where
-// an int8 cache's values also take 16-bit weights (AVX2; AVX3 with VNNI: seed 88 moved a row by
-// 2.5e-4, past 2^-12), 2^-4 for int4 keys' 8-bit query, whose rounding step is 256× as large.
+// an int8 cache's values also take 16-bit weights (AVX2, AVX3 with VNNI; on AVX2 at seed 88 a row
+// moved by 2.5e-4, past 2^-12), 2^-4 for int4 keys' 8-bit query, whose rounding step is 256× as
+// large.
 TEST_P(KvCacheQuant, NonFiniteQueriesReachOnlyTheirRows) {
   KvCache cache(one_head_of_64(GetParam()));
   Rng rng(base_seed() + 803);
