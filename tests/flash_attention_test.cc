@@ -108,10 +108,20 @@ void check(Problem& pr, int weights_rank = 0) {
   const double drop_scale = pr.opt.dropout_p > 0 && pr.opt.dropout_p < 1 ? 1.0 / (1.0 - pr.opt.dropout_p) : 1.0;
   const double v_max = std::max(finite_max_abs(ref.out), finite_max_abs(pr.v) * drop_scale);
   expect_bound(fast.out, ref.out, plain.out, "out", 8 * v_max);
-  expect_bound(fast.lse, ref.lse, plain.lse, "lse", 4 * std::max(finite_max_abs(ref.lse), 1e-30));
+  // The LSE: 4u of max|lse|, or where that does not hold, the floor of its terms (lse_floor,
+  // test_util.h; it costs Tq·Tk·D a head). Seed 118 drew rows that each see one key, so that
+  // lse is a single score, |lse| ≤ 0.34 (a softcap), from a dot product of 51 terms whose
+  // absolute values add to ~13× it: fast 5.5e-7 of max|lse| against plain's 8.9e-8.
+  const double lse_max = finite_max_abs(ref.lse);
+  const double lse_scale = std::max(lse_max, 1e-30);
+  const double lse_fast = abs_error(fast.lse, ref.lse) / lse_scale, lse_plain = abs_error(plain.lse, ref.lse) / lse_scale;
+  if (lse_fast > 2 * lse_plain + 4 * kU) {
+    const double floor = lse_floor(pr.in, pr.opt, lse_max) / lse_scale;
+    EXPECT_LE(lse_fast, 2 * lse_plain + floor) << "lse: fast " << lse_fast << " vs plain float32 " << lse_plain
+                                               << ", floor " << floor;
+  }
   // Weights are exp2((s - lse)·log2 e) from the float32 LSE: the LSE's rounding (|lse|·u/2) and
   // the product's (|s - lse|·u) move each one, relative, beyond exp2's own error.
-  const double lse_max = finite_max_abs(ref.lse);
   if (weights_rank) {
     expect_bound(fast.weights, ref.weights, plain.weights, "weights",
                  (8 + 2 * lse_max) * std::max(finite_max_abs(ref.weights), 1e-30));

@@ -55,11 +55,7 @@ void check(const Problem& p) {
   const Result ref16 = run_dtype(p, Backend::kReference);
   auto rounded = [&](const Tensor& t) { return t.converted(p.dtype).to_f32(); };
   // floor: the fast path's own error beyond 2x plain, relative to max|r|: 4u, or for the LSE
-  // (float32 for every dtype) what its terms allow where that is more. lse = m + log(l): the
-  // largest score m carries the rounding of its dot product, about √D·u·Σ|q·k|·scale in
-  // practice (independent roundings; allowed twice that) plus u·|bias|; the sum l of the
-  // probabilities carries their ~8u (exp2), which the log makes 8u absolute; the sum m + log(l)
-  // rounds by |lse|·u. Plain float32 rounds its scores too, in another order, and can be lucky:
+  // (float32 for every dtype) what its terms allow where that is more (lse_floor, test_util.h):
   // a seed measured fast at 8.6u of max|lse| = 18.6 (D = 55, a bias) against plain's 1.7u.
   auto expect_bound = [&](const Tensor& f, const Tensor& r, const Tensor& pl32, double u_out, double floor,
                           const char* what) {
@@ -70,27 +66,14 @@ void check(const Problem& p) {
         << what << ": fast " << ef << " vs plain16 " << e16 << ", plain32 " << e32 << ", max|ref| " << scale;
   };
   const double lse_max = std::max(finite_max_abs(ref.lse), 1e-30);
-  const AttentionInputs in = p.inputs32();
-  const double scale = p.opt.scale ? *p.opt.scale : 1.0 / std::sqrt(static_cast<double>(p.D));
-  double dots = 0;  // max over rows and keys of Σ_c |q_c·k_c|·scale
-  for (int64_t b = 0; b < p.B; ++b)
-    for (int64_t h = 0; h < p.Hq; ++h)
-      for (int64_t i = 0; i < p.Tq; ++i)
-        for (int64_t j = 0; j < p.Tk; ++j) {
-          double sum = 0;
-          for (int64_t c = 0; c < p.D; ++c)
-            sum += std::fabs(double{in.query.at(b, h, i, c)} * in.key.at(b, h / (p.Hq / p.Hkv), j, c));
-          dots = std::max(dots, sum * scale);
-        }
-  const double bias_max = p.bias.defined() ? finite_max_abs(p.bias) : 0.0;
-  const double lse_floor = (2 * std::sqrt(static_cast<double>(p.D)) * dots + bias_max + 8 + 2 * lse_max) * kU;
+  const double lse_terms = lse_floor(p.inputs32(), p.opt, lse_max);
   // Where the forward's AMX tiles run (bfloat16, head dims they take), P is rounded to bfloat16
   // for P·V: each weight by at most u16 relative (one rounding), so a row's output by at most
   // u16·max|v| more (docs/numerics.md).
   const bool tiles = p.dtype == DType::kBF16 && kernels::forward_amx_bf16() && p.D % 32 == 0 && p.Dv % 16 == 0;
   const double p_rounding = tiles ? u16 * finite_max_abs(p.v32) / std::max(finite_max_abs(ref.out), 1e-30) : 0.0;
   expect_bound(fast.out, ref.out, plain32.out, u16, 4 * kU + p_rounding, "out");
-  expect_bound(fast.lse, ref.lse, plain32.lse, 0.0, std::max(4 * kU, lse_floor / lse_max), "lse");
+  expect_bound(fast.lse, ref.lse, plain32.lse, 0.0, std::max(4 * kU, lse_terms / lse_max), "lse");
   if (p.weights_rank) expect_bound(fast.weights, ref.weights, plain32.weights, u16, 4 * kU, "weights");
   // The fast 16-bit path widens its inputs exactly and runs the float32 tiles: its results are
   // the float32 fast path's on the widened inputs, rounded once (round to nearest even). Not so

@@ -126,13 +126,9 @@ TEST(PagedKvCache, BatchedDecodeEqualsOneCachePerSequence) {
         // (norm-wise ~2^-8, docs/numerics.md; measured ≤ 2.3e-3 here): the same bound. int8 values
         // on 16-bit weights (AVX2; AVX3 with VNNI) the same way on a step of 2^-15: QuantDecode's
         // 2^-9.
-        const bool bf16_values = type == CacheType::kInt4 && int4_values_rounded();
-        const bool word_values = type == CacheType::kInt8 && int8_values_rounded();
         const double bound = type == CacheType::kBF16 ? 1.0 / 128
                              : type == CacheType::kF16 ? 1.0 / 1024
-                             : bf16_values             ? 1.0 / 64
-                             : word_values             ? 1.0 / 512
-                                                       : 1e-5;
+                                                       : std::max(decode_rounding(type).values, 1e-5);
         EXPECT_LE(rel_error(gs, want.view<float>()), bound) << "sequence " << s;
       }
     }

@@ -28,17 +28,23 @@ void restore_kernel_switches() {
   kernels::set_forward_value_keep_limit(kernels::kDefaultForwardValueKeepLimit);
 }
 
-bool int8_values_rounded() { return int8_values_rounded(kernels::simd_targets().front()); }
+DecodeRounding decode_rounding(CacheType type) { return decode_rounding(type, kernels::simd_targets().front()); }
 
-bool int8_values_rounded(const std::string& target) {
-  if (target == "AVX2") return kernels::decode_byte_values();
-  return target == "AVX3" && kernels::decode_vnni_word_values();
-}
-
-bool int4_values_rounded() {
-  const std::string best = kernels::simd_targets().front();
-  if (best == "AVX2") return kernels::decode_byte_values();
-  return best == "AVX3" && (kernels::decode_vnni_byte_values() || kernels::decode_bf16_dots());
+DecodeRounding decode_rounding(CacheType type, const std::string& target) {
+  DecodeRounding r;
+  // Only the AVX3 and AVX2 targets have dot products (integer; bfloat16 on AVX3).
+  if (target != "AVX3" && target != "AVX2") return r;
+  const bool avx3 = target == "AVX3";
+  if (type == CacheType::kInt4) {
+    if (kernels::decode_int8_dots()) r.query = 1.0 / (1 << 4);
+    const bool rounded = avx3 ? kernels::decode_vnni_byte_values() || kernels::decode_bf16_dots()
+                              : kernels::decode_byte_values();
+    if (rounded) r.values = 1.0 / (1 << 6);
+  } else if (type == CacheType::kInt8) {
+    if (kernels::decode_int8_dots()) r.query = 1.0 / (1 << 12);
+    if (avx3 ? kernels::decode_vnni_word_values() : kernels::decode_byte_values()) r.values = 1.0 / (1 << 9);
+  }
+  return r;
 }
 
 uint64_t Rng::next() {
@@ -155,6 +161,32 @@ void add_score_variants(Rng& rng, double chance, int64_t B, int64_t Hq, float si
     for (int64_t i = 0; i < Hq; ++i) sinks->data<float>()[i] = static_cast<float>(sink_range * (2 * rng.uniform() - 1));
     in.sinks = sinks->view<float>();
   }
+}
+
+double lse_floor(const AttentionInputs& in, const AttentionOptions& opt, double lse_max) {
+  const View<const float>& q = in.query;
+  const View<const float>& k = in.key;
+  const int64_t B = q.shape[0], Hq = q.shape[1], Tq = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], Tk = k.shape[2];
+  const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  double dots = 0;  // max over rows and keys of scale·Σ_c |q_c·k_c|
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t i = 0; i < Tq; ++i)
+        for (int64_t j = 0; j < Tk; ++j) {
+          double sum = 0;
+          for (int64_t c = 0; c < D; ++c) sum += std::fabs(double{q.at(b, h, i, c)} * k.at(b, h / (Hq / Hkv), j, c));
+          dots = std::max(dots, sum * scale);
+        }
+  double bias_max = 0;
+  if (in.attn_bias.given())
+    for_each(in.attn_bias, [&](float x, int64_t) {
+      if (std::isfinite(x)) bias_max = std::max(bias_max, std::fabs(double{x}));
+    });
+  // ALiBi adds slope·|distance|, the distance below Tq + Tk whatever the alignment.
+  const double alibi_max = in.alibi_slopes.given() ? max_abs(in.alibi_slopes) * static_cast<double>(Tq + Tk) : 0.0;
+  const double terms = 2 * std::sqrt(static_cast<double>(D)) * dots + bias_max + alibi_max + 4.0 * opt.softcap;
+  return (terms + 8 + 2 * lse_max) * std::ldexp(1.0, -24);
 }
 
 NaiveResult naive_attention(const AttentionInputs& in, const AttentionOptions& options) {

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "mha/attention.h"
+#include "mha/kv_cache.h"
 #include "mha/tensor.h"
 
 namespace mha::test {
@@ -25,13 +27,24 @@ uint64_t base_seed();
 // RestoreKernelSwitches does it when it goes out of scope, also when an assertion ends the test
 // early, so that no later test runs on a switch left off.
 void restore_kernel_switches();
-// Whether the decode kernel, on its default target, rounds an int4 cache's value pass: its
-// weights to bfloat16 (AVX3, AVX-512 BF16) or to bytes (AVX2, or AVX3 with VNNI and VBMI).
-bool int4_values_rounded();
-// Whether it rounds an int8 cache's value pass: its weights to 16-bit words (AVX2, or AVX3 with
-// VNNI); on the given target, as the kernel switches now stand (dot products, VNNI, byte values).
-bool int8_values_rounded();
-bool int8_values_rounded(const std::string& target);
+// What the decode kernel rounds, beyond float32, on an int8 or int4 cache, on `target` (default:
+// the best compiled in and supported here) as the kernel switches now stand (dot products, VNNI,
+// byte values), each as a bound of its effect on the output relative to its terms' scale
+// (docs/numerics.md); 0 where nothing is rounded.
+struct DecodeRounding {
+  // The query of the integer key products, rounded to 8 bits for int4 keys, to 16 bits for int8
+  // keys. Its effect grows with the keys' size: 2^-4 and 2^-12 hold for unit-normal keys without
+  // an outlier channel at D ≤ 64 (the fixed problems of the tests that use them);
+  // kv_cache_quant_test.cc's QuantDecode derives its own from each trial's keys.
+  double query = 0;
+  // The value pass: int4 values or their weights rounded to bfloat16 (AVX3, AVX-512 BF16) or the
+  // weights to bytes (AVX2; AVX3 with VNNI and VBMI), 2^-6; int8 values' weights rounded to 16-bit
+  // words (AVX2; AVX3 with VNNI), 2^-9.
+  double values = 0;
+  double either() const { return std::max(query, values); }
+};
+DecodeRounding decode_rounding(CacheType type);
+DecodeRounding decode_rounding(CacheType type, const std::string& target);
 struct RestoreKernelSwitches {
   RestoreKernelSwitches() = default;
   RestoreKernelSwitches(const RestoreKernelSwitches&) = delete;
@@ -79,6 +92,16 @@ void expect_error(const std::function<void()>& f, const std::vector<std::string>
 // (batch, head), sinks uniform in ±sink_range. The tensors the inputs view go to *alibi, *sinks.
 void add_score_variants(Rng& rng, double chance, int64_t B, int64_t Hq, float sink_range, AttentionInputs& in,
                         AttentionOptions& opt, Tensor* alibi, Tensor* sinks);
+
+// The absolute floor (in units of the values, not of u) that an LSE may differ by beyond twice
+// plain float32's error (docs/numerics.md): lse = m + log(l), and the largest score m carries
+// the rounding of its dot product, about √D·u·scale·Σ_c|q_c·k_c| in practice (independent
+// roundings; allowed twice that, with the largest such sum over rows and keys), plus u·|bias|,
+// u·|ALiBi term| and the softcap's tanh (≤ 4u·softcap); the probabilities' ~8u (exp2) become 8u
+// absolute through the log, and m + log(l) rounds by u·|lse|, allowed 2u·max|lse|. Plain float32
+// rounds its scores in another order and can be lucky. Costs B·Hq·Tq·Tk·D: call it where the
+// cheap 4u·max|lse| does not hold.
+double lse_floor(const AttentionInputs& in, const AttentionOptions& opt, double lse_max);
 
 // An independent naive attention in double: dense masks built element by element, K/V
 // repeated per query head, softmax through an explicit log-sum-exp. Outputs are contiguous
