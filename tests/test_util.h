@@ -27,6 +27,13 @@ uint64_t base_seed();
 // RestoreKernelSwitches does it when it goes out of scope, also when an assertion ends the test
 // early, so that no later test runs on a switch left off.
 void restore_kernel_switches();
+struct RestoreKernelSwitches {
+  RestoreKernelSwitches() = default;
+  RestoreKernelSwitches(const RestoreKernelSwitches&) = delete;
+  RestoreKernelSwitches& operator=(const RestoreKernelSwitches&) = delete;
+  ~RestoreKernelSwitches() { restore_kernel_switches(); }
+};
+
 // What the decode kernel rounds, beyond float32, on an int8 or int4 cache, on `target` (default:
 // the best compiled in and supported here) as the kernel switches now stand (dot products, VNNI,
 // byte values), each as a bound of its effect on the output relative to its terms' scale
@@ -45,12 +52,6 @@ struct DecodeRounding {
 };
 DecodeRounding decode_rounding(CacheType type);
 DecodeRounding decode_rounding(CacheType type, const std::string& target);
-struct RestoreKernelSwitches {
-  RestoreKernelSwitches() = default;
-  RestoreKernelSwitches(const RestoreKernelSwitches&) = delete;
-  RestoreKernelSwitches& operator=(const RestoreKernelSwitches&) = delete;
-  ~RestoreKernelSwitches() { restore_kernel_switches(); }
-};
 
 // A small deterministic generator (splitmix64) for test data.
 class Rng {
