@@ -336,7 +336,7 @@ TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
     KvCacheConfig fc = c;
     fc.dtype = CacheType::kF32;
     KvCache q8(c), f32(fc), terms(fc);  // terms: the same keys, |values|
-    double key_l2 = 0;                  // the largest ‖k‖₂ of a stored key
+    std::vector<std::pair<Tensor, std::vector<int64_t>>> stored_keys;  // as_stored() keys and counts
     const int64_t n = c.window > 0 ? 1 : rng.range(1, std::max<int64_t>(1, 16 / G));
     const int64_t appends = rng.range(1, 4);
     for (int64_t a = 0; a < appends; ++a) {
@@ -349,16 +349,7 @@ TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
       std::vector<int64_t> counts(static_cast<size_t>(c.batch));
       for (auto& x : counts) x = rng.range(a == 0 ? n : 0, len);
       const auto [ks, vs] = q8.as_stored(k.view<float>(), v.view<float>(), counts);
-      for (int64_t b = 0; b < c.batch; ++b)
-        for (int64_t h = 0; h < c.kv_heads; ++h)
-          for (int64_t t = 0; t < counts[static_cast<size_t>(b)]; ++t) {
-            double l2 = 0;
-            for (int64_t e = 0; e < c.head_dim_qk; ++e) {
-              const double x = ks.view<float>().at(b, h, t, e);
-              l2 += x * x;
-            }
-            key_l2 = std::max(key_l2, std::sqrt(l2));
-          }
+      stored_keys.emplace_back(ks.clone(), counts);
       q8.append(k.view<float>(), v.view<float>(), counts);
       f32.append(ks.view<float>(), vs.view<float>(), counts);
       Tensor abs_vs = vs.clone();
@@ -383,19 +374,45 @@ TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
                  std::to_string(c.sink_tokens) + " n " +
                  std::to_string(n));
     EXPECT_TRUE(bitwise_equal(got, again));  // any thread count
-    const View<const int64_t> outliers = q8.key_outlier_channels();
+    const View<const int64_t> outliers = q8.key_outlier_channels();  // (B, Hkv, kCacheKeyOutliers)
     const bool any_outlier =
         std::any_of(outliers.data, outliers.data + outliers.numel(), [](int64_t x) { return x >= 0; });
     ++(any_outlier ? with_outliers : without);
-    // The rounded query (step = max|q|/levels) moves a key's score by δ_j, a sum of D independent
-    // roundings: σ_j = (1/√D)·(step/√12)·‖k_j‖₂ (on the dequantized keys). Each normalised weight
-    // then moves by a factor within e^{±δ}, δ = max_j |δ_j|, and the output by at most
-    // (e^{2δ} − 1)·Σ_j P_j·|v_j|; δ is allowed 4σ of the largest key (the largest of a few
-    // thousand draws). Over seeds 1–40 (AMD EPYC Zen 4, 2026-12-07): ≤ 1.5σ where the query's is
-    // the only rounding, ≤ 2.5σ with int4's byte values; every case within 0.48 of its bound.
-    const double sigma = rounding.query > 0 ? finite_max_abs(q) / query_levels / std::sqrt(12.0) * key_l2 /
-                                                  std::sqrt(static_cast<double>(c.head_dim_qk))
-                                            : 0.0;
+    // The integer products take the query as scale·q_c·cs_c and the keys' codes as k_c/cs_c (cs:
+    // the key channel scales), without the outlier channels, which stay float32. Rounding that
+    // query (step = its row's max/levels) moves a key's score by δ_j, a sum of D independent
+    // roundings: σ_j = (step/√12)·‖k_j/cs‖₂ over those channels. Each normalised weight then
+    // moves by a factor within e^{±δ}, δ = max_j |δ_j|, and the output by at most
+    // (e^{2δ} − 1)·Σ_j P_j·|v_j|; δ is allowed 4σ of the largest (the largest of a few thousand
+    // draws). Over seeds 1–40 (AMD EPYC Zen 4, 2026-12-07): ≤ 1.25σ where the query's is the only
+    // rounding, ≤ 2.5σ with int4's byte values; every case within 0.56 of its bound.
+    double sigma = 0;
+    const View<const float> channel_scales = q8.key_channel_scales();  // (B, Hkv, Dk)
+    for (int64_t b = 0; rounding.query > 0 && b < c.batch; ++b)
+      for (int64_t hk = 0; hk < c.kv_heads; ++hk) {
+        std::vector<bool> rounded(static_cast<size_t>(c.head_dim_qk), true);
+        for (int64_t x = 0; x < outliers.shape[2]; ++x)
+          if (outliers.at(b, hk, x) >= 0) rounded[static_cast<size_t>(outliers.at(b, hk, x))] = false;
+        double key_l2 = 0, query_max = 0;
+        for (const auto& [ks, counts] : stored_keys)
+          for (int64_t t = 0; t < counts[static_cast<size_t>(b)]; ++t) {
+            double l2 = 0;
+            for (int64_t e = 0; e < c.head_dim_qk; ++e) {
+              const double x = ks.view<float>().at(b, hk, t, e) / channel_scales.at(b, hk, e);
+              if (rounded[static_cast<size_t>(e)]) l2 += x * x;
+            }
+            key_l2 = std::max(key_l2, std::sqrt(l2));
+          }
+        for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t e = 0; e < c.head_dim_qk; ++e)
+              if (rounded[static_cast<size_t>(e)]) {
+                const double x = double{q.view<float>().at(b, h, i, e)} * channel_scales.at(b, hk, e);
+                query_max = std::max(query_max, std::fabs(x));
+              }
+        const double step = query_max / std::sqrt(static_cast<double>(c.head_dim_qk)) / query_levels;
+        sigma = std::max(sigma, step / std::sqrt(12.0) * key_l2);
+      }
     const double bound = std::expm1(2 * 4 * sigma) + std::max(rounding.values, 128.0 / (1 << 24));
     const double e = abs_error(got, want) / std::max(finite_max_abs(scale), 1e-30);
     if (any_outlier) worst_with_outliers = std::max(worst_with_outliers, e);
