@@ -113,13 +113,10 @@ void check(Problem& pr, int weights_rank = 0) {
   // lse is a single score, |lse| ≤ 0.34 (a softcap), from a dot product of 51 terms whose
   // absolute values add to ~13× it: fast 5.5e-7 of max|lse| against plain's 8.9e-8.
   const double lse_max = finite_max_abs(ref.lse);
-  const double lse_scale = std::max(lse_max, 1e-30);
-  const double lse_fast = abs_error(fast.lse, ref.lse) / lse_scale, lse_plain = abs_error(plain.lse, ref.lse) / lse_scale;
-  if (lse_fast > 2 * lse_plain + 4 * kU) {
-    const double floor = lse_floor(pr.in, pr.opt, lse_max) / lse_scale;
-    EXPECT_LE(lse_fast, 2 * lse_plain + floor) << "lse: fast " << lse_fast << " vs plain float32 " << lse_plain
-                                               << ", floor " << floor;
-  }
+  double lse_floor_u = 4 * std::max(lse_max, 1e-30);  // in u, as expect_bound takes it
+  if (abs_error(fast.lse, ref.lse) > 2 * abs_error(plain.lse, ref.lse) + lse_floor_u * kU)
+    lse_floor_u = std::max(lse_floor_u, lse_floor(pr.in, pr.opt, lse_max) / kU);
+  expect_bound(fast.lse, ref.lse, plain.lse, "lse", lse_floor_u);
   // Weights are exp2((s - lse)·log2 e) from the float32 LSE: the LSE's rounding (|lse|·u/2) and
   // the product's (|s - lse|·u) move each one, relative, beyond exp2's own error.
   if (weights_rank) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/flash.h"
@@ -348,13 +349,12 @@ TEST_P(QuantDecode, EqualsTheFloatKernelOnTheStoredValues) {
           for (int64_t t = 0; t < len; ++t) k.view<float>().at(b, 0, t, c.head_dim_qk / 3) *= 20;
       std::vector<int64_t> counts(static_cast<size_t>(c.batch));
       for (auto& x : counts) x = rng.range(a == 0 ? n : 0, len);
-      const auto [ks, vs] = q8.as_stored(k.view<float>(), v.view<float>(), counts);
-      stored_keys.emplace_back(ks.clone(), counts);
+      auto [ks, vs] = q8.as_stored(k.view<float>(), v.view<float>(), counts);
       q8.append(k.view<float>(), v.view<float>(), counts);
       f32.append(ks.view<float>(), vs.view<float>(), counts);
-      Tensor abs_vs = vs.clone();
-      for (int64_t i = 0; i < abs_vs.numel(); ++i) abs_vs.data<float>()[i] = std::fabs(abs_vs.data<float>()[i]);
-      terms.append(ks.view<float>(), abs_vs.view<float>(), counts);
+      for (int64_t i = 0; i < vs.numel(); ++i) vs.data<float>()[i] = std::fabs(vs.data<float>()[i]);
+      terms.append(ks.view<float>(), vs.view<float>(), counts);  // the caches copy what they append
+      stored_keys.emplace_back(std::move(ks), counts);
     }
     const int64_t Hq = c.kv_heads * G;
     const Tensor q = random_tensor(rng, {c.batch, Hq, n, c.head_dim_qk});
