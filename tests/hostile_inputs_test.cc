@@ -271,6 +271,14 @@ TEST(HostileSizes, ModuleAndCacheSizesAreChecked) {
   k.kv_heads = int64_t{1} << 30;
   k.head_dim_qk = k.head_dim_v = 4;
   expect_error([&] { KvCache cache(k); }, {"KvCache", "overflows 64 bits"});
+  // A batch whose storage fits int64 but not memory: the storage's error, where the per-sequence
+  // lengths once threw std::bad_alloc first (8 TiB of them).
+  k.kv_heads = 2;
+  expect_error([&] { KvCache cache(k); },
+               {"KvCache: the storage of batch 1099511627776, kv_heads 2, 16 slots", "(1099511627776, 2, 16, 4)"});
+  k.dtype = CacheType::kInt8;  // its key channel scales are allocated first
+  expect_error([&] { KvCache cache(k); }, {"KvCache: the storage of batch 1099511627776", "(1099511627776, 2, 4)"});
+  k.dtype = CacheType::kF32;
   // Found by fuzz/cache_fuzz.cc (UBSan: signed overflow in the checks or in row sizes): a
   // negative window; head dims that a batch of 0 allocates nothing for; a head dim whose row of
   // int8 groups overflows in a paged pool.

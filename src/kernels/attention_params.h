@@ -41,12 +41,11 @@ struct AttentionParams {
   // indices, then -1s; their exact values end each key's scales row (after the 2 · groups
   // pairs); their codes are to be ignored (the query's entries there are zeroed).
   const int64_t* k_outliers = nullptr;  Strides4 k_outlier_stride{};
-  // Internal (paged KV caches, decode kernel only): if block_table is set, key and value j of
-  // batch b are row j & (2^page_shift − 1) of pool page block_table[b · block_table_stride +
-  // (j >> page_shift)]; k_stride[0], v_stride[0] and the scale strides' [0] step between pages, [1]
-  // between kv heads.
-  const int64_t* block_table = nullptr;
-  int64_t block_table_stride = 0;
+  // Internal (paged KV caches, decode kernel only): if block_tables is set, key and value j of
+  // batch b are row j & (2^page_shift − 1) of pool page block_tables[b][j >> page_shift] (each
+  // sequence's own table, read in place: no batch × longest-table copy); k_stride[0], v_stride[0]
+  // and the scale strides' [0] step between pages, [1] between kv heads.
+  const int64_t* const* block_tables = nullptr;
   int page_shift = 0;
   const uint8_t* keep = nullptr;  Strides4 keep_stride{};  // nonzero = attend
   const float* attn_bias = nullptr;  Strides4 attn_bias_stride{};

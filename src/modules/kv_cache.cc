@@ -44,16 +44,23 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   const int64_t per_slot = checked_add(c.head_dim_qk, c.head_dim_v, "KvCache: head dims");
   checked_mul(checked_mul(std::max<int64_t>(c.batch, 1), c.kv_heads, "KvCache: batch · kv_heads"), per_slot,
               "KvCache: storage per slot");
+  const int64_t initial = std::min(c.capacity > 0 ? c.capacity : 16, kept_slots());
+  try {
+    if (quantized()) {
+      k_channels_ = Tensor(DType::kF32, {c.batch, c.kv_heads, c.head_dim_qk});
+      std::fill(k_channels_.data<float>(), k_channels_.data<float>() + k_channels_.numel(), 1.0f);
+      k_outliers_ = Tensor(DType::kI64, {c.batch, c.kv_heads, kCacheKeyOutliers});
+      std::fill(k_outliers_.data<int64_t>(), k_outliers_.data<int64_t>() + k_outliers_.numel(), int64_t{-1});
+    }
+    reserve(initial);
+  } catch (const Error& e) {
+    throw Error(fmt::format("KvCache: the storage of batch {}, kv_heads {}, {} slots: {}", c.batch, c.kv_heads,
+                            initial, e.what()));
+  }
+  // After the storage: a batch too large to allocate is the storage's mha::Error, not
+  // std::bad_alloc from these vectors (a few bytes per sequence; the storage holds 16 slots or more).
   length_.assign(static_cast<size_t>(c.batch), 0);
   channels_fixed_.assign(static_cast<size_t>(c.batch), 0);
-  if (quantized()) {
-    k_channels_ = Tensor(DType::kF32, {c.batch, c.kv_heads, c.head_dim_qk});
-    std::fill(k_channels_.data<float>(), k_channels_.data<float>() + k_channels_.numel(), 1.0f);
-    k_outliers_ = Tensor(DType::kI64, {c.batch, c.kv_heads, kCacheKeyOutliers});
-    std::fill(k_outliers_.data<int64_t>(), k_outliers_.data<int64_t>() + k_outliers_.numel(), int64_t{-1});
-  }
-  const int64_t initial = c.capacity > 0 ? c.capacity : 16;
-  reserve(std::min(initial, kept_slots()));
 }
 
 namespace {

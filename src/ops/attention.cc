@@ -47,7 +47,7 @@ void gather_planes(const void* src, const kernels::Strides4& s, int64_t B, int64
 
 // p with its keys and values gathered head-major where that pays (see above); p itself otherwise.
 kernels::AttentionParams with_gathered_kv(const kernels::AttentionParams& p, int num_threads) {
-  if (p.block_table || p.k_scales || p.v_scales || p.kv_len < kGatherMinKeys ||
+  if (p.block_tables || p.k_scales || p.v_scales || p.kv_len < kGatherMinKeys ||
       !(rows_apart(p.k_stride, p.head_dim_qk) || rows_apart(p.v_stride, p.head_dim_v)))
     return p;
   const int64_t es = static_cast<int64_t>(dtype_size(p.dtype));

@@ -59,9 +59,10 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
   const PagedKvCacheConfig& c = cache.config();
   const int64_t S = q.shape[0], n = q.shape[2], P = c.page_size;
   std::vector<int64_t> lengths(static_cast<size_t>(S)), offsets(static_cast<size_t>(S));
-  size_t width = 1;  // block table entries per sequence
-  for (int64_t s = 0; s < S; ++s) width = std::max(width, cache.block_table(ids[s]).size());
-  std::vector<int64_t> table(static_cast<size_t>(S) * width, 0);
+  // Each sequence's block table, read in place (a copy of S × the longest table once took
+  // 52 GB for 100,000 ids of one long sequence: std::bad_alloc).
+  std::vector<const int64_t*> tables(static_cast<size_t>(S));
+  static constexpr int64_t kNoPages[1] = {0};  // the table of a sequence without pages (none is read)
   const bool quantized = kv_storage::quant_bits(c.dtype) != 0;
   std::vector<float> channels(quantized ? static_cast<size_t>(S * c.kv_heads * c.head_dim_qk) : 0);
   std::vector<int64_t> outliers(quantized ? static_cast<size_t>(S * c.kv_heads * kCacheKeyOutliers) : 0);
@@ -72,7 +73,7 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
     offsets[s] = lengths[s] - n;
     kv_len = std::max(kv_len, lengths[s]);
     const std::vector<int64_t>& t = cache.block_table(ids[s]);
-    std::copy(t.begin(), t.end(), table.begin() + static_cast<int64_t>(s * width));
+    tables[s] = t.empty() ? kNoPages : t.data();
     if (quantized) {
       const std::vector<float>& ch = cache.key_channel_scales(ids[s]);
       std::copy(ch.begin(), ch.end(), channels.begin() + s * c.kv_heads * c.head_dim_qk);
@@ -85,8 +86,7 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
   p.kv_len = kv_len;
   p.key_lengths = lengths.data();
   p.key_lengths_stride = 1;
-  p.block_table = table.data();
-  p.block_table_stride = static_cast<int64_t>(width);
+  p.block_tables = tables.data();
   p.page_shift = static_cast<int>(std::lround(std::log2(static_cast<double>(P))));
   const Tensor& kp = cache.key_pool();
   const Tensor& vp = cache.value_pool();

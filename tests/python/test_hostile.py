@@ -58,6 +58,15 @@ def test_kv_cache_accessors_check_the_sequence(b):
         cache.stored(b)
 
 
+@pytest.mark.parametrize("batch, capacity", [(2**40, 0), (2**40, 2**40), (1, 2**40)])
+def test_kv_caches_too_large_to_allocate_are_errors(batch, capacity):
+    # A batch of 2**40 once raised MemoryError (std::bad_alloc from its per-sequence lengths)
+    # before the storage's own check.
+    m = mha.MultiheadAttention(8, 2, batch_first=True)
+    with pytest.raises(mha.Error, match="cannot allocate|too large"):
+        m.make_cache(batch, capacity=capacity)
+
+
 @pytest.mark.parametrize("threads", [-1, mha._mha.MAX_THREADS + 1, 5000, 100000, 2**40, 1.5])
 def test_thread_counts_outside_the_range_are_errors(threads):
     x = np.ones((1, 2, 5, 4), dtype=np.float32)

@@ -52,7 +52,7 @@ struct RowOffset {
   int shift;
   int64_t mask, page, row;
   RowOffset(const AttentionParams& p, int64_t b, int64_t page_stride, int64_t row_stride)
-      : table(p.block_table ? p.block_table + b * p.block_table_stride : nullptr), shift(p.page_shift),
+      : table(p.block_tables ? p.block_tables[b] : nullptr), shift(p.page_shift),
         mask((int64_t{1} << p.page_shift) - 1), page(page_stride), row(row_stride) {}
   HWY_INLINE int64_t operator()(int64_t j) const { return table ? table[j >> shift] * page + (j & mask) * row : j * row; }
   // f(offset, bytes) for the runs of adjacent rows among [lo, hi) (rows of `bytes` bytes of
@@ -70,7 +70,7 @@ struct RowOffset {
 
 // The start of (b, hk)'s plane: paged pools start every batch at page 0 (the table says where).
 inline int64_t PlaneStart(const AttentionParams& p, const Strides4& stride, int64_t b, int64_t hk) {
-  return (p.block_table ? 0 : b * stride[0]) + hk * stride[1];
+  return (p.block_tables ? 0 : b * stride[0]) + hk * stride[1];
 }
 
 template <typename T>

@@ -76,7 +76,7 @@ inline void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts
         p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
             static_cast<float>(m[r] + std::log(static_cast<double>(l[r])));
       }
-      if (nonfinite && p.kv_bits == 0 && !p.block_table) attention_ref_output_row(p, b, h, i);
+      if (nonfinite && p.kv_bits == 0 && !p.block_tables) attention_ref_output_row(p, b, h, i);
       continue;
     }
     double sum = 0.0;
@@ -112,7 +112,7 @@ inline void Merge(const AttentionParams& p, int64_t b, int64_t hk, int64_t parts
     // As in the forward: a non-finite value must reach only the rows that attend to it. (Cache
     // storage read in place — quantized codes, paged pools — has no layout the reference reads:
     // there a non-finite value stays in the rows that read it; a quantized group is NaN anyway.)
-    if (nonfinite && p.kv_bits == 0 && !p.block_table) attention_ref_output_row(p, b, h, i);
+    if (nonfinite && p.kv_bits == 0 && !p.block_tables) attention_ref_output_row(p, b, h, i);
   }
 }
 
