@@ -345,8 +345,9 @@ TEST(HostileSixteenBit, OverlapIsMeasuredInTheirBytes) {
                {"out", "(1, 1, 4, 8)", "(1, 1, 4, 7)"});
 }
 
-// Quantized caches near the float range: group scales stay finite (max/levels − min/levels),
-// dequantized values stay within half a step, attention over them stays finite on the targets
+// Quantized caches near the float range: group scales stay finite (int8: max/levels −
+// min/levels; int4 takes values beyond ±2^127 as ±2^127, kv_cache.h), dequantized values stay
+// within half a step of the values (so taken), attention over them stays finite on the targets
 // with fused multiply-add (every SIMD target here): minimum + scale·code is then one rounding.
 // The portable SCALAR target rounds scale·code first, which can overflow above ~1e36 (where a
 // build has only it, say with MHA_SKIP_SIMD_TARGETS), so the check runs on each other target
@@ -368,10 +369,25 @@ TEST(HostileCaches, QuantizedValuesNearTheFloatRange) {
     const Tensor kf = cache.keys_as_float(), vf = cache.values_as_float();
     for (int64_t e = 0; e < 32; ++e) {
       EXPECT_TRUE(std::isfinite(kf.view<float>().at(0, 0, 0, e))) << e;
-      // The group's extremes are codes 0 and levels: the minimum exact, the maximum within rounding.
-      EXPECT_NEAR(vf.view<float>().at(0, 0, 0, e), v.view<float>().at(0, 0, 0, e), 3e38 * 1e-6) << e;
-      EXPECT_EQ(vf.view<float>().at(0, 0, 1, e), 1e-30f);
-      EXPECT_TRUE(std::isfinite(cache.key_scales().at(0, 0, 0, 0)));
+      if (type == CacheType::kInt8) {
+        // The group's extremes are codes 0 and levels: the minimum exact, the maximum within rounding.
+        EXPECT_NEAR(vf.view<float>().at(0, 0, 0, e), v.view<float>().at(0, 0, 0, e), 3e38 * 1e-6) << e;
+        EXPECT_EQ(vf.view<float>().at(0, 0, 1, e), 1e-30f);
+        // Key row 0's scale and minimum: words 0 and 1 of lane 0, at 0 and 16 of its tile.
+        EXPECT_TRUE(std::isfinite(cache_word_float(cache.key_scales().data[0])));
+        EXPECT_TRUE(std::isfinite(cache_word_float(cache.key_scales().data[16])));
+        continue;
+      }
+      // int4: ±3e38 taken as ±2^127: the minimum exact (a bfloat16), the maximum within half a step.
+      const uint32_t word = cache.value_scales().at(0, 0, 0, 0);
+      EXPECT_EQ(cache_group_minimum(word), -0x1p127f);
+      EXPECT_NEAR(vf.view<float>().at(0, 0, 0, e), e % 2 ? 0x1p127f : -0x1p127f, cache_group_scale(word) / 2) << e;
+      // A constant group: 1e-30 is no bfloat16, so within half a step (of at most 2^-7 · 2^-100).
+      const uint32_t tiny = cache.value_scales().at(0, 0, 1, 0);
+      EXPECT_NEAR(vf.view<float>().at(0, 0, 1, e), 1e-30f, cache_group_scale(tiny) / 2) << e;
+      EXPECT_LE(cache_group_scale(tiny), 0x1p-107f);
+      EXPECT_TRUE(std::isfinite(cache_group_scale(cache.key_scales().at(0, 0, 0, 0))));
+      EXPECT_TRUE(std::isfinite(cache_group_minimum(cache.key_scales().at(0, 0, 0, 0))));
     }
     const Tensor q = Tensor::zeros({1, 1, 1, 32});
     Tensor out(DType::kF32, {1, 1, 1, 32});

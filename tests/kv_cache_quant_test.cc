@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,15 +28,31 @@ T tile_element(const View<const T>& x, int64_t b, int64_t h, int64_t slot, int64
   return x.at(b, h, first + index / width, index % width);
 }
 
-// Scale element e of slot `slot` of (b, h) of a quantized plane: keys' and values' scales are
-// transposed by tiles (element e of the tile's slot l at index 16e + l).
-float scale_at(const View<const float>& scales, int64_t b, int64_t h, int64_t slot, int64_t e) {
+// Scale word e of slot `slot` of (b, h) of a quantized plane: keys' and values' scale words are
+// transposed by tiles (word e of the tile's slot l at index 16e + l).
+uint32_t word_at(const View<const uint32_t>& scales, int64_t b, int64_t h, int64_t slot, int64_t e) {
   return tile_element(scales, b, h, slot, 16 * e + slot % 16);
+}
+float float_of_bits(uint32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+// Scale words per group: int8 two (float32 scale, minimum), int4 one (bfloat16 scale in the low
+// half, minimum in the high half). A key row's outlier slot i is word words_per_group · groups + i.
+int64_t words_per_group(int bits) { return bits == 8 ? 2 : 1; }
+float group_scale(const View<const uint32_t>& scales, int64_t b, int64_t h, int64_t slot, int64_t g, int bits) {
+  if (bits == 8) return float_of_bits(word_at(scales, b, h, slot, 2 * g));
+  return float_of_bits((word_at(scales, b, h, slot, g) & 0xFFFF) << 16);
+}
+float group_minimum(const View<const uint32_t>& scales, int64_t b, int64_t h, int64_t slot, int64_t g, int bits) {
+  if (bits == 8) return float_of_bits(word_at(scales, b, h, slot, 2 * g + 1));
+  return float_of_bits(word_at(scales, b, h, slot, g) >> 16 << 16);
 }
 
 // Value c of a slot of (b, h) of a quantized plane, decoded from the documented format
 // independently of the library.
-double decode(const View<const uint8_t>& codes, const View<const float>& scales, int64_t b, int64_t h, int64_t slot,
+double decode(const View<const uint8_t>& codes, const View<const uint32_t>& scales, int64_t b, int64_t h, int64_t slot,
               int64_t c, int bits, bool keys) {
   const int64_t g = c / 32, i = c % 32;
   int code;
@@ -47,8 +64,8 @@ double decode(const View<const uint8_t>& codes, const View<const float>& scales,
     const uint8_t byte = bits == 8 ? codes.at(b, h, slot, c) : codes.at(b, h, slot, g * 16 + i % 16);
     code = bits == 8 ? byte : i < 16 ? byte & 0xF : byte >> 4;
   }
-  return scale_at(scales, b, h, slot, 2 * g + 1) +
-         static_cast<double>(scale_at(scales, b, h, slot, 2 * g)) * code;
+  return group_minimum(scales, b, h, slot, g, bits) +
+         static_cast<double>(group_scale(scales, b, h, slot, g, bits)) * code;
 }
 
 class KvCacheQuant : public ::testing::TestWithParam<CacheType> {};
@@ -76,14 +93,16 @@ TEST_P(KvCacheQuant, StoresTheDocumentedFormat) {
   ASSERT_EQ(cache.length(1), 20);
   EXPECT_EQ(cache.capacity(), 32);
   const View<const uint8_t> kc = cache.key_codes(), vc = cache.value_codes();
-  const View<const float> ks = cache.key_scales(), vs = cache.value_scales(), ch = cache.key_channel_scales();
+  const View<const uint32_t> ks = cache.key_scales(), vs = cache.value_scales();
+  const View<const float> ch = cache.key_channel_scales();
   const View<const int64_t> outliers = cache.key_outlier_channels();
   EXPECT_EQ(kc.shape[3], 64 * bits / 8);
   EXPECT_EQ(vc.shape[3], 96 * bits / 8);
-  EXPECT_EQ(ks.shape[3], 4 + kCacheKeyOutliers);  // 2 groups' pairs, then the outlier values
-  EXPECT_EQ(vs.shape[3], 6);
+  const int64_t w = words_per_group(bits);
+  EXPECT_EQ(ks.shape[3], 2 * w + kCacheKeyOutliers);  // 2 groups' words, then the outlier values
+  EXPECT_EQ(vs.shape[3], 3 * w);
   EXPECT_EQ(outliers.shape[2], kCacheKeyOutliers);
-  EXPECT_EQ(cache.nbytes(), 2 * 2 * cache.capacity() * ((64 + 96) * bits / 8 + (4 + kCacheKeyOutliers + 6) * 4));
+  EXPECT_EQ(cache.nbytes(), 2 * 2 * cache.capacity() * ((64 + 96) * bits / 8 + (5 * w + kCacheKeyOutliers) * 4));
   const Tensor kf = cache.keys_as_float(), vf = cache.values_as_float();
   const int levels = (1 << bits) - 1;
   for (int64_t b = 0; b < 2; ++b)
@@ -107,15 +126,15 @@ TEST_P(KvCacheQuant, StoresTheDocumentedFormat) {
         // positions 0-4, then 5-19 from rows 0-14.
         const int64_t first = b == 0 ? 3 : 5;
         const int64_t t = slot >= first ? slot - first : slot;
-        auto check_row = [&](const View<const uint8_t>& codes, const View<const float>& scales, const Tensor& x,
+        auto check_row = [&](const View<const uint8_t>& codes, const View<const uint32_t>& scales, const Tensor& x,
                              const Tensor& read, int64_t width, bool keys) {
           for (int64_t e = 0; e < width; ++e) {
             const double chs = keys ? ch.at(b, h, e) : 1.0;
             const double want = x.view<float>().at(b, h, t, e);
             const int64_t oi = keys ? outlier_index(e) : -1;
-            auto minimum = [&](int64_t c) { return scale_at(scales, b, h, slot, 2 * (c / 32) + 1); };
-            if (oi >= 0) {  // kept exactly after the groups' pairs; its code is 0
-              EXPECT_EQ(scale_at(scales, b, h, slot, 4 + oi), static_cast<float>(want));
+            auto minimum = [&](int64_t c) { return group_minimum(scales, b, h, slot, c / 32, bits); };
+            if (oi >= 0) {  // kept exactly after the groups' words; its code is 0
+              EXPECT_EQ(float_of_bits(word_at(scales, b, h, slot, 2 * w + oi)), static_cast<float>(want));
               EXPECT_EQ(read.view<float>().at(b, h, slot, e), static_cast<float>(want));
               EXPECT_EQ(decode(codes, scales, b, h, slot, e, bits, keys), minimum(e));
               continue;
@@ -123,12 +142,34 @@ TEST_P(KvCacheQuant, StoresTheDocumentedFormat) {
             const double got = decode(codes, scales, b, h, slot, e, bits, keys) * chs;
             EXPECT_EQ(static_cast<float>(got), read.view<float>().at(b, h, slot, e)) << b << h << slot << e;
             // Rounded to the nearest code: half a step of the group (plus the float rounding).
-            const double step = scale_at(scales, b, h, slot, 2 * (e / 32)) * chs;
+            const double step = group_scale(scales, b, h, slot, e / 32, bits) * chs;
             EXPECT_LE(std::fabs(got - want), step / 2 + 1e-6 * (std::fabs(want) + step * levels)) << e;
           }
           for (int64_t e = width; e < (width + 31) / 32 * 32; ++e)
             EXPECT_EQ(decode(codes, scales, b, h, slot, e, bits, keys),
-                      scale_at(scales, b, h, slot, 2 * (e / 32) + 1));
+                      group_minimum(scales, b, h, slot, e / 32, bits));
+          // Each group's minimum is its least value (int4: rounded down to bfloat16) and its
+          // scale covers max − minimum (int4: rounded up; the next bfloat16 either way would not).
+          for (int64_t g = 0; g * 32 < width; ++g) {
+            double lo = INFINITY, hi = -INFINITY;
+            for (int64_t e = g * 32; e < std::min(width, g * 32 + 32); ++e) {
+              if (keys && outlier_index(e) >= 0) continue;
+              const double y = static_cast<double>(x.view<float>().at(b, h, t, e)) / (keys ? ch.at(b, h, e) : 1.0);
+              lo = std::min(lo, y), hi = std::max(hi, y);
+            }
+            const double minimum = group_minimum(scales, b, h, slot, g, bits);
+            const double step = group_scale(scales, b, h, slot, g, bits);
+            if (bits == 8) {
+              EXPECT_EQ(minimum, lo) << g;
+              EXPECT_EQ(step, static_cast<float>(hi) / 255 - static_cast<float>(lo) / 255) << g;
+              continue;
+            }
+            const double ulp = 0x1p-7 * std::ldexp(1.0, std::ilogb(lo == 0 ? 1.0 : lo));  // bfloat16's at lo
+            EXPECT_LE(minimum, lo) << g;
+            EXPECT_LT(lo - minimum, ulp) << g;
+            EXPECT_GE(step * levels, hi - minimum) << g;
+            EXPECT_LE(step * levels, (hi - minimum) * (1 + 0x1p-7)) << g;
+          }
         };
         check_row(kc, ks, k, kf, 40, true);
         check_row(vc, vs, v, vf, 70, false);

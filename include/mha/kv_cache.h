@@ -13,9 +13,16 @@
 //
 // Storage types (CacheType): float32, bfloat16 and float16 store each value; int8 and int4
 // quantize each row (one position of one kv head) in groups of kCacheQuantGroup = 32
-// consecutive values with a float32 scale and minimum per group:
-//   value = minimum + scale · code,  code in [0, 2^bits − 1],
-//   minimum = min(group), scale = (max(group) − min(group)) / (2^bits − 1), code rounded to nearest.
+// consecutive values with a scale and minimum per group:
+//   value = minimum + scale · code,  code in [0, 2^bits − 1], code rounded to nearest.
+// int8: float32 scale and minimum, two 32-bit words (their bits; cache_word_float()):
+//   minimum = min(group), scale = max(group)/255 − min(group)/255.
+// int4: bfloat16 scale and minimum, one 32-bit word (the scale's bits in the low half, the
+// minimum's in the high half: cache_group_scale(), cache_group_minimum()):
+//   minimum = min(group) rounded down to bfloat16,
+//   scale = (max(group) − minimum) / 15 rounded up to bfloat16;
+//   values beyond ±2^127 are taken as ±2^127 first (so that no code's value overflows float32).
+// Either way every value stays within half a step (scale / 2) of its code's value.
 // Rows are padded with zero codes to a multiple of 32 values. int4 packs two codes per byte:
 // in each group's 16 bytes, byte i holds value i (low nibble) and value i + 16 (high nibble).
 // Keys are divided by per-channel scales first (key = channel_scale · value above): powers of
@@ -23,25 +30,26 @@
 // ordinary size and one per larger channel, so that such a channel does not coarsen its group.
 // Attention multiplies them into the query instead. Outlier key channels (the few channels of
 // real keys that are many times larger: rms above 4× the median channel's in the first append,
-// the largest kCacheKeyOutliers of them) are kept exactly instead: each key row's scales end with
-// their kCacheKeyOutliers float32 values (in the order of key_outlier_channels(), 0 where a
-// slot is unused); their codes are 0 and take no part in their group's minimum and scale.
-// A group holding a NaN or an infinity stores NaN for all 32 values (its scale is NaN).
+// the largest kCacheKeyOutliers of them) are kept exactly instead: each key row's scale words
+// end with their kCacheKeyOutliers float32 values' bits (in the order of key_outlier_channels(),
+// 0 where a slot is unused); their codes are 0 and take no part in their group's minimum and scale.
+// A group holding a NaN or an infinity stores NaN for all 32 values (its scale and minimum are NaN).
 // Key tiles: int8/int4 keys are stored by tiles of kCacheKeyTile = 16 consecutive slots (the
 // capacity is a multiple of 16), laid out for the decode kernel to read 16 keys in the lanes of
 // a vector. A tile's codes (its 16 rows of key_codes()) are words of 64 bytes, lane l (the tile's
 // slot l) at bytes 4l .. 4l + 3 of each: word w holds the codes of channels 4w .. 4w + 3 (int8,
 // byte k: channel 4w + k) or 8w .. 8w + 7 (int4, byte k: channel 8w + k in the low nibble,
-// 8w + 4 + k in the high one). A tile's scales (its 16 rows of key_scales()) are transposed:
-// scale element e of lane l at index 16e + l of the tile's 16 · (2 · groups + 4) floats. Values'
-// codes are stored a row per slot, as above; their scales are transposed by tiles of 16 slots
-// the same way (16 · 2 · groups floats a tile), so that the kernel reads 16 keys' scales per
-// vector.
+// 8w + 4 + k in the high one). A tile's scale words (its 16 rows of key_scales()) are transposed:
+// word e of lane l at index 16e + l of the tile's 16 · (w · groups + 4) words (w = 2 for int8,
+// 1 for int4). Values' codes are stored a row per slot, as above; their scale words are
+// transposed by tiles of 16 slots the same way (16 · w · groups words a tile), so that the kernel
+// reads 16 keys' scales per vector.
 // Error bounds: docs/numerics.md ("KV cache storage").
 #ifndef MHA_KV_CACHE_H_
 #define MHA_KV_CACHE_H_
 
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -63,6 +71,28 @@ constexpr int64_t kCacheKeyTileBytes = 64;
 // Outlier key channels an int8/int4 cache keeps exactly, per sequence and kv head.
 constexpr int64_t kCacheKeyOutliers = 4;
 
+// A float32 word of key_scales() / value_scales() (an int8 group's scale or minimum, an outlier
+// channel's value) as its float.
+inline float cache_word_float(uint32_t word) {
+  float x;
+  std::memcpy(&x, &word, sizeof x);
+  return x;
+}
+// An int4 group's scale and minimum from its word of key_scales() / value_scales() (bfloat16
+// bits in the low and the high half), exactly.
+inline float cache_group_scale(uint32_t word) {
+  const uint32_t bits = word << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+inline float cache_group_minimum(uint32_t word) {
+  const uint32_t bits = word & 0xFFFF0000u;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 struct KvCacheConfig {
   int64_t batch = 1;
   int64_t kv_heads = 1;
@@ -76,7 +106,8 @@ struct KvCacheConfig {
   // Storage type of keys and values. 16-bit caches hold half the bytes (decoding reads half as
   // much); append() rounds to them (nearest even), and attention over the cache reads them
   // widened to float32 (the query is rounded to the cache's type first). int8 and int4 caches
-  // hold 1.25 and 0.75 bytes per value (codes + group scales, see above); append() quantizes,
+  // hold 1.25 and 0.625 bytes per value (codes + group scales, see above; keys 16 bytes more
+  // per row for the outlier channels); append() quantizes,
   // and attention reads the codes and dequantizes them in registers (float32 queries).
   CacheType dtype = CacheType::kF32;
 };
@@ -116,13 +147,15 @@ class KvCache {
     return v_.view<T>();
   }
   // The storage of an int8/int4 cache (an mha::Error for other types): codes (B, Hkv, capacity,
-  // row bytes) and scales: (scale, minimum) pairs (B, Hkv, capacity, 2 · groups), groups =
-  // ⌈D / 32⌉, followed for keys by the kCacheKeyOutliers outlier channel values (2 · groups + 4);
-  // keys' codes and scales, and values' scales, laid out by tiles of 16 slots (above).
+  // row bytes) and scale words (B, Hkv, capacity, w · groups), groups = ⌈D / 32⌉: a group's scale
+  // and minimum (int8: w = 2 float32 words, cache_word_float(); int4: w = 1 word of two bfloat16,
+  // cache_group_scale(), cache_group_minimum()), followed for keys by the kCacheKeyOutliers
+  // outlier channel values' float32 bits (w · groups + 4 words); keys' codes and scales, and
+  // values' scales, laid out by tiles of 16 slots (above).
   View<const uint8_t> key_codes() const;
   View<const uint8_t> value_codes() const;
-  View<const float> key_scales() const;
-  View<const float> value_scales() const;
+  View<const uint32_t> key_scales() const;
+  View<const uint32_t> value_scales() const;
   // (B, Hkv, Dk): the key channel scales (1 until a sequence's first append; 1 for outliers).
   View<const float> key_channel_scales() const;
   // (B, Hkv, kCacheKeyOutliers): the outlier key channels kept exactly, ascending, then -1s (all

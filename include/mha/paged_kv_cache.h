@@ -69,7 +69,7 @@ class PagedKvCache {
   int64_t nbytes() const;
 
   // For attend(): the pool's planes, head-major: (Hkv, pages, page_size, row elements) and, for
-  // int8/int4, (Hkv, pages, page_size, 2 · groups (+ kCacheKeyOutliers for keys)) scales (a
+  // int8/int4, (Hkv, pages, page_size, w · groups (+ kCacheKeyOutliers for keys)) scale words (a
   // sequence's pages taken in a row are then one run of memory per head, which the decode reads
   // faster than runs of one page; keys and value scales by tiles of 16 slots, as KvCache's); key
   // channel scales of id (Hkv, Dk) and its outlier key channels (Hkv, kCacheKeyOutliers), as

@@ -361,7 +361,7 @@ class MultiheadAttention:
         are stored — float32 (default), bfloat16 or float16 (torch/numpy dtypes or names): half
         the bytes, rounded once when appended, the queries rounded to it for attention; "int8" or
         "int4" (or torch.int8): quantized per group of 32 values with a scale and minimum each,
-        up to 4 outlier key channels kept exactly (about 1.3 and 0.8 bytes per value at head dim
+        up to 4 outlier key channels kept exactly (about 1.3 and 0.7 bytes per value at head dim
         128; docs/numerics.md has the error), float32 queries."""
         name = "float32" if dtype is None else str(dtype).replace("torch.", "")
         if name not in ("int8", "int4"):

@@ -29,17 +29,18 @@ struct AttentionParams {
 
   // Internal (int8/int4 KV caches, decode kernel only): with kv_bits = 8 or 4, k and v hold the
   // cache's codes (uint8_t; k_stride/v_stride count bytes, a row padded to whole groups) and
-  // k_scales/v_scales its (scale, minimum) float pairs per group of kCacheQuantGroup values
-  // (strides in floats over (batch, head, row)); q and out stay of `dtype`. See kv_cache.h.
+  // k_scales/v_scales its scale words: a group of kCacheQuantGroup values' scale and minimum
+  // (int8: two float32 words, int4: one word of two bfloat16; strides in words over (batch,
+  // head, row)); q and out stay of `dtype`. See kv_cache.h.
   int kv_bits = 0;
-  const float* k_scales = nullptr;  Strides4 k_scale_stride{};
-  const float* v_scales = nullptr;  Strides4 v_scale_stride{};
+  const uint32_t* k_scales = nullptr;  Strides4 k_scale_stride{};
+  const uint32_t* v_scales = nullptr;  Strides4 v_scale_stride{};
   // Key channel scales (B, Hkv, Dqk), strides (batch, head, channel): the stored keys are
   // divided by them, so the query is multiplied by them.
   const float* k_channel_scales = nullptr;  Strides4 k_channel_stride{};
   // Outlier key channels (B, Hkv, kCacheKeyOutliers), strides (batch, head): ascending channel
-  // indices, then -1s; their exact values end each key's scales row (after the 2 · groups
-  // pairs); their codes are to be ignored (the query's entries there are zeroed).
+  // indices, then -1s; their exact float32 values end each key's scale words (after the groups'
+  // words); their codes are to be ignored (the query's entries there are zeroed).
   const int64_t* k_outliers = nullptr;  Strides4 k_outlier_stride{};
   // Internal (paged KV caches, decode kernel only): if block_tables is set, key and value j of
   // batch b are row j & (2^page_shift − 1) of pool page block_tables[b][j >> page_shift] (each

@@ -105,9 +105,9 @@ View<const uint8_t> KvCache::value_codes() const {
   check_quantized("value_codes");
   return v_.view<uint8_t>();
 }
-View<const float> KvCache::key_scales() const {
+View<const uint32_t> KvCache::key_scales() const {
   check_quantized("key_scales");
-  return k_scales_.view<float>();
+  return View<const uint32_t>(scale_words(k_scales_), k_scales_.shape());
 }
 View<const float> KvCache::key_channel_scales() const {
   check_quantized("key_channel_scales");
@@ -117,9 +117,9 @@ View<const int64_t> KvCache::key_outlier_channels() const {
   check_quantized("key_outlier_channels");
   return k_outliers_.view<int64_t>();
 }
-View<const float> KvCache::value_scales() const {
+View<const uint32_t> KvCache::value_scales() const {
   check_quantized("value_scales");
-  return v_scales_.view<float>();
+  return View<const uint32_t>(scale_words(v_scales_), v_scales_.shape());
 }
 
 int64_t KvCache::nbytes() const {
@@ -151,9 +151,9 @@ Tensor KvCache::as_float(const Tensor& data, const Tensor& scales, bool keys, in
     const float* ch = keys ? k_channels_.data<float>() + r / capacity_ * width : nullptr;
     const int64_t* outliers = keys ? k_outliers_.data<int64_t>() + r / capacity_ * kCacheKeyOutliers : nullptr;
     if (keys)
-      read_key_row(data.data<uint8_t>(), scales.data<float>(), r, ch, outliers, width, c.dtype, dst);
+      read_key_row(data.data<uint8_t>(), scale_words(scales), r, ch, outliers, width, c.dtype, dst);
     else
-      read_value_row(data.data<uint8_t>(), scales.data<float>(), r, width, c.dtype, dst);
+      read_value_row(data.data<uint8_t>(), scale_words(scales), r, width, c.dtype, dst);
   }
   return out;
 }
@@ -220,8 +220,8 @@ void KvCache::reserve(int64_t slots) {
   grow(k_, et, row_elements(c.dtype, c.head_dim_qk));
   grow(v_, et, row_elements(c.dtype, c.head_dim_v));
   if (quantized()) {
-    grow(k_scales_, DType::kF32, scale_elements(c.head_dim_qk, true));
-    grow(v_scales_, DType::kF32, scale_elements(c.head_dim_v, false));
+    grow(k_scales_, kScaleWordType, scale_elements(c.head_dim_qk, true, c.dtype));
+    grow(v_scales_, kScaleWordType, scale_elements(c.head_dim_v, false, c.dtype));
   }
   capacity_ = slots;
 }
@@ -272,12 +272,12 @@ void KvCache::append(const View<const float>& k, const View<const float>& v, con
         const float* key = k.data + b * k.stride[0] + h * k.stride[1] + t * k.stride[2];
         if (bits)
           write_key_row(key, k.stride[3], c.head_dim_qk, c.dtype, inv.data(), outliers, k_.data<uint8_t>(),
-                        k_scales_.data<float>(), row);
+                        scale_words(k_scales_), row);
         else
           write_row(key, k.stride[3], c.head_dim_qk, c.dtype, static_cast<std::byte*>(k_.raw()) + row * kw * es);
         const float* value = v.data + b * v.stride[0] + h * v.stride[1] + t * v.stride[2];
         if (bits)
-          write_value_row(value, v.stride[3], c.head_dim_v, c.dtype, v_.data<uint8_t>(), v_scales_.data<float>(), row);
+          write_value_row(value, v.stride[3], c.head_dim_v, c.dtype, v_.data<uint8_t>(), scale_words(v_scales_), row);
         else
           write_row(value, v.stride[3], c.head_dim_v, c.dtype, static_cast<std::byte*>(v_.raw()) + row * vw * es);
       }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -16,6 +17,27 @@ namespace {
 
 // A key channel whose rms exceeds this many times the median channel's is an outlier (kept exactly).
 constexpr double kOutlierRatio = 4.0;
+// int4 values are clamped to ±kQuantLimit (kv_cache.h): a group's bfloat16 minimum and scale and
+// every stored code's value then stay finite (at most (1 + (1 + 2^-7)/15)·2^127 < 2^128).
+constexpr float kQuantLimit = 0x1p127f;
+
+// x rounded to bfloat16, toward +inf (up) or -inf: its 16 bits. |x| < 2^128 (never infinite).
+uint32_t bf16_directed(double x, bool up) {
+  float f = static_cast<float>(x);  // nearest, then one step the way asked if it went the other
+  if (up ? f < x : f > x) f = std::nextafter(f, up ? kQuantLimit * 2 : -kQuantLimit * 2);
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t high = bits >> 16;
+  if ((bits & 0xFFFFu) == 0) return high;
+  const bool negative = bits >> 31;
+  return up != negative ? high + 1 : high;  // dropping the low half rounds toward zero
+}
+float bf16_value(uint32_t bits) { return cache_group_scale(bits); }
+uint32_t float_bits(float x) {
+  uint32_t w;
+  std::memcpy(&w, &x, sizeof w);
+  return w;
+}
 
 bool is_outlier(const int64_t* outliers, int64_t c) {
   if (!outliers) return false;
@@ -25,20 +47,22 @@ bool is_outlier(const int64_t* outliers, int64_t c) {
 }
 
 // row quantized to `bits`: put(c, code) for every value c of the padded row (whole groups;
-// code 0 past width), scale(e) for each of its scales: (scale, minimum) pairs per group, then
-// (keys) the outlier channels' values (NaN if not finite). inv_channel (or nullptr): per-value
-// multipliers (powers of two) applied first. Outlier channels take no part in their group: code
-// 0, value kept exactly.
-template <class PutCode, class Scale>
+// code 0 past width), word(e) for each of its scale words (kv_cache.h): a group's scale and
+// minimum (int8: float32, a word each; int4: bfloat16, one word), then (keys) the outlier
+// channels' float32 values (NaN if not finite). inv_channel (or nullptr): per-value multipliers
+// (powers of two) applied first. Outlier channels take no part in their group: code 0, value
+// kept exactly.
+template <class PutCode, class Word>
 void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const float* inv_channel,
-                  const int64_t* outliers, const PutCode& put, const Scale& scale) {
+                  const int64_t* outliers, const PutCode& put, const Word& word) {
   const int levels = (1 << bits) - 1;
   const int64_t G = kCacheQuantGroup;
   if (outliers)
     for (int64_t i = 0; i < kCacheKeyOutliers; ++i) {
       const float x = outliers[i] >= 0 ? row[outliers[i] * cs] : 0.0f;
       // NaN for an infinity too, as for a group (the query meets it as a NaN score).
-      scale(outlier_offset(width) + i) = std::isfinite(x) ? x : std::numeric_limits<float>::quiet_NaN();
+      word(outlier_offset(width, bits) + i) =
+          float_bits(std::isfinite(x) ? x : std::numeric_limits<float>::quiet_NaN());
     }
   for (int64_t g = 0; g * G < width; ++g) {
     const int64_t n = std::min(G, width - g * G);
@@ -53,16 +77,30 @@ void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const f
       lo = std::min(lo, v);
       hi = std::max(hi, v);
     }
-    if (!any) lo = hi = 0.0f;  // every channel of the group an outlier
-    // hi/levels − lo/levels stays finite for any finite hi and lo (their difference may not).
-    const float step = hi / static_cast<float>(levels) - lo / static_cast<float>(levels);
-    // NaN for the whole group if any value is not finite: never a finite stand-in for it.
-    scale(2 * g) = finite ? step : std::numeric_limits<float>::quiet_NaN();
-    scale(2 * g + 1) = finite ? lo : std::numeric_limits<float>::quiet_NaN();
+    if (!any || !finite) lo = hi = 0.0f;  // every channel of the group an outlier; or NaN below
+    float step;
+    if (bits == 8) {
+      // hi/levels − lo/levels stays finite for any finite hi and lo (their difference may not).
+      step = hi / static_cast<float>(levels) - lo / static_cast<float>(levels);
+      // NaN for the whole group if any value is not finite: never a finite stand-in for it.
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      word(2 * g) = float_bits(finite ? step : nan);
+      word(2 * g + 1) = float_bits(finite ? lo : nan);
+    } else {
+      // The minimum rounded down and the scale up (in double: hi − minimum does not overflow),
+      // so that the codes' values cover [lo, hi] and each value is within half a step of its code's.
+      lo = std::clamp(lo, -kQuantLimit, kQuantLimit), hi = std::clamp(hi, -kQuantLimit, kQuantLimit);
+      const uint32_t minimum = bf16_directed(lo, false);
+      const uint32_t scale = bf16_directed((static_cast<double>(hi) - bf16_value(minimum)) / levels, true);
+      lo = bf16_value(minimum);
+      step = bf16_value(scale);
+      word(g) = finite ? minimum << 16 | scale : 0x7FC07FC0u;  // NaN in both halves
+    }
     for (int64_t i = 0; i < G; ++i) {
       int code = 0;  // padding, outliers, a non-finite group, a group of equal values
       if (finite && step > 0.0f && i < n && !is_outlier(outliers, g * G + i)) {
-        const double q = std::nearbyint((static_cast<double>(value(i)) - lo) / step);
+        const double x = bits == 8 ? value(i) : std::clamp(value(i), -kQuantLimit, kQuantLimit);
+        const double q = std::nearbyint((x - lo) / step);
         code = static_cast<int>(std::clamp(q, 0.0, static_cast<double>(levels)));
       }
       put(g * G + i, static_cast<uint8_t>(code));
@@ -97,32 +135,34 @@ int get_code(const uint8_t* codes, CodeAt at, int bits) {
   return (codes[at.byte] >> at.shift) & (bits == 8 ? 0xFF : 0xF);
 }
 
-// Row r's tile: its codes and scales (scale_elements rows of kCacheKeyTile floats), its lane.
+// Row r's tile: its codes and scale words (scale_elements rows of kCacheKeyTile), its lane.
 // Value rows take only the scales' offset (their codes are a row each).
 struct TileOf {
   int64_t lane, codes, scales;  // offsets into the pools
   TileOf(int64_t r, int64_t width, CacheType type, bool keys)
       : lane(r % kCacheKeyTile),
         codes(r / kCacheKeyTile * kCacheKeyTile * row_elements(type, width)),
-        scales(r / kCacheKeyTile * kCacheKeyTile * scale_elements(width, keys)) {}
+        scales(r / kCacheKeyTile * kCacheKeyTile * scale_elements(width, keys, type)) {}
   // Where the row's scale element e lies in the scales pool (transposed: lane l of element e at
   // kCacheKeyTile · e + l of the tile).
   int64_t scale_at(int64_t e) const { return scales + e * kCacheKeyTile + lane; }
 };
 
-// `width` values of a row read back as float32 into dst: code(c) dequantized with scale(e) as
-// the decode kernel does (one fused multiply-add), times channel (or nullptr), the outliers'
-// exact values in their channels.
-template <class Code, class Scale>
-void dequantize_row(const Code& code, const Scale& scale, const float* channel, const int64_t* outliers, int64_t width,
-                    float* dst) {
+// `width` values of a row read back as float32 into dst: code(c) dequantized with its group's
+// word(g) as the decode kernel does (one fused multiply-add), times channel (or nullptr), the
+// outliers' exact values in their channels.
+template <class Code, class Word>
+void dequantize_row(const Code& code, const Word& word, int bits, const float* channel, const int64_t* outliers,
+                    int64_t width, float* dst) {
   for (int64_t c = 0; c < width; ++c) {
     const int64_t g = c / kCacheQuantGroup;
-    dst[c] = std::fma(static_cast<float>(code(c)), scale(2 * g), scale(2 * g + 1)) * (channel ? channel[c] : 1.0f);
+    const float scale = bits == 8 ? cache_word_float(word(2 * g)) : cache_group_scale(word(g));
+    const float minimum = bits == 8 ? cache_word_float(word(2 * g + 1)) : cache_group_minimum(word(g));
+    dst[c] = std::fma(static_cast<float>(code(c)), scale, minimum) * (channel ? channel[c] : 1.0f);
   }
   if (outliers)
     for (int64_t i = 0; i < kCacheKeyOutliers; ++i)
-      if (outliers[i] >= 0) dst[outliers[i]] = scale(outlier_offset(width) + i);
+      if (outliers[i] >= 0) dst[outliers[i]] = cache_word_float(word(outlier_offset(width, bits) + i));
 }
 
 }  // namespace
@@ -144,9 +184,11 @@ void check_row_width(int64_t width, const char* what) {
 
 int64_t quant_groups(int64_t width) { return (width + kCacheQuantGroup - 1) / kCacheQuantGroup; }
 
-int64_t outlier_offset(int64_t width) { return 2 * quant_groups(width); }
+int64_t outlier_offset(int64_t width, int bits) { return quant_groups(width) * group_words(bits); }
 
-int64_t scale_elements(int64_t width, bool keys) { return outlier_offset(width) + (keys ? kCacheKeyOutliers : 0); }
+int64_t scale_elements(int64_t width, bool keys, CacheType type) {
+  return outlier_offset(width, quant_bits(type)) + (keys ? kCacheKeyOutliers : 0);
+}
 
 int64_t row_elements(CacheType t, int64_t width) {
   const int bits = quant_bits(t);
@@ -181,24 +223,24 @@ void read_row(const void* data, int64_t width, CacheType type, float* dst) {
 }
 
 void write_key_row(const float* row, int64_t cs, int64_t width, CacheType type, const float* inv_channel,
-                   const int64_t* outliers, uint8_t* codes, float* scales, int64_t r) {
+                   const int64_t* outliers, uint8_t* codes, uint32_t* scales, int64_t r) {
   const int bits = quant_bits(type);
   const TileOf t(r, width, type, true);
   quantize_row(
       row, cs, width, bits, inv_channel, outliers,
       [&](int64_t c, uint8_t code) { put_code(codes + t.codes, tile_code_at(bits, t.lane, c), bits, code); },
-      [&](int64_t e) -> float& { return scales[t.scale_at(e)]; });
+      [&](int64_t e) -> uint32_t& { return scales[t.scale_at(e)]; });
 }
 
-void read_key_row(const uint8_t* codes, const float* scales, int64_t r, const float* channel, const int64_t* outliers,
-                  int64_t width, CacheType type, float* dst) {
+void read_key_row(const uint8_t* codes, const uint32_t* scales, int64_t r, const float* channel,
+                  const int64_t* outliers, int64_t width, CacheType type, float* dst) {
   const int bits = quant_bits(type);
   const TileOf t(r, width, type, true);
   dequantize_row([&](int64_t c) { return get_code(codes + t.codes, tile_code_at(bits, t.lane, c), bits); },
-                 [&](int64_t e) { return scales[t.scale_at(e)]; }, channel, outliers, width, dst);
+                 [&](int64_t e) { return scales[t.scale_at(e)]; }, bits, channel, outliers, width, dst);
 }
 
-void write_value_row(const float* row, int64_t cs, int64_t width, CacheType type, uint8_t* codes, float* scales,
+void write_value_row(const float* row, int64_t cs, int64_t width, CacheType type, uint8_t* codes, uint32_t* scales,
                      int64_t r) {
   const int bits = quant_bits(type);
   const TileOf t(r, width, type, false);
@@ -206,15 +248,16 @@ void write_value_row(const float* row, int64_t cs, int64_t width, CacheType type
   quantize_row(
       row, cs, width, bits, nullptr, nullptr,
       [&](int64_t c, uint8_t code) { put_code(at, row_code_at(bits, c), bits, code); },
-      [&](int64_t e) -> float& { return scales[t.scale_at(e)]; });
+      [&](int64_t e) -> uint32_t& { return scales[t.scale_at(e)]; });
 }
 
-void read_value_row(const uint8_t* codes, const float* scales, int64_t r, int64_t width, CacheType type, float* dst) {
+void read_value_row(const uint8_t* codes, const uint32_t* scales, int64_t r, int64_t width, CacheType type,
+                    float* dst) {
   const int bits = quant_bits(type);
   const TileOf t(r, width, type, false);
   const uint8_t* at = codes + r * row_elements(type, width);
   dequantize_row([&](int64_t c) { return get_code(at, row_code_at(bits, c), bits); },
-                 [&](int64_t e) { return scales[t.scale_at(e)]; }, nullptr, nullptr, width, dst);
+                 [&](int64_t e) { return scales[t.scale_at(e)]; }, bits, nullptr, nullptr, width, dst);
 }
 
 void key_channels(const float* rows, int64_t row_stride, int64_t cs, int64_t n, int64_t D, float* s,

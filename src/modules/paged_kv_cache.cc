@@ -56,8 +56,11 @@ void PagedKvCache::grow(int64_t pages) {
   const bool quantized = quant_bits(c.dtype) != 0;
   Tensor k = bigger(k_, et, row_elements(c.dtype, c.head_dim_qk));
   Tensor v = bigger(v_, et, row_elements(c.dtype, c.head_dim_v));
-  Tensor k_scales = quantized ? bigger(k_scales_, DType::kF32, scale_elements(c.head_dim_qk, true)) : Tensor();
-  Tensor v_scales = quantized ? bigger(v_scales_, DType::kF32, scale_elements(c.head_dim_v, false)) : Tensor();
+  Tensor k_scales, v_scales;
+  if (quantized) {
+    k_scales = bigger(k_scales_, kScaleWordType, scale_elements(c.head_dim_qk, true, c.dtype));
+    v_scales = bigger(v_scales_, kScaleWordType, scale_elements(c.head_dim_v, false, c.dtype));
+  }
   refs_.reserve(static_cast<size_t>(pages));
   free_.reserve(free_.size() + static_cast<size_t>(pages - pages_));
   k_ = std::move(k), v_ = std::move(v), k_scales_ = std::move(k_scales), v_scales_ = std::move(v_scales);
@@ -227,12 +230,12 @@ void PagedKvCache::append(int64_t id, const View<const float>& k, const View<con
       const float* key = k.data + h * k.stride[0] + t * k.stride[1];
       if (bits)  // pages are whole key tiles (page_size a multiple of kCacheKeyTile)
         write_key_row(key, k.stride[2], c.head_dim_qk, c.dtype, inv.data(), s.outliers.data() + h * kCacheKeyOutliers,
-                      k_.data<uint8_t>(), k_scales_.data<float>(), row);
+                      k_.data<uint8_t>(), scale_words(k_scales_), row);
       else
         write_row(key, k.stride[2], c.head_dim_qk, c.dtype, static_cast<std::byte*>(k_.raw()) + row * kw * es);
       const float* value = v.data + h * v.stride[0] + t * v.stride[1];
       if (bits)  // and their value scales whole tiles
-        write_value_row(value, v.stride[2], c.head_dim_v, c.dtype, v_.data<uint8_t>(), v_scales_.data<float>(), row);
+        write_value_row(value, v.stride[2], c.head_dim_v, c.dtype, v_.data<uint8_t>(), scale_words(v_scales_), row);
       else
         write_row(value, v.stride[2], c.head_dim_v, c.dtype, static_cast<std::byte*>(v_.raw()) + row * vw * es);
     }
@@ -260,10 +263,10 @@ Tensor PagedKvCache::as_float(int64_t id, bool keys) const {
       const int64_t row = pool_row(s, h, pos);
       float* dst = out.data<float>() + (h * (s.length - first) + pos - first) * D;
       if (scales.defined() && keys)
-        read_key_row(data.data<uint8_t>(), scales.data<float>(), row, s.channels.data() + h * D,
+        read_key_row(data.data<uint8_t>(), scale_words(scales), row, s.channels.data() + h * D,
                      s.outliers.data() + h * kCacheKeyOutliers, D, c.dtype, dst);
       else if (scales.defined())
-        read_value_row(data.data<uint8_t>(), scales.data<float>(), row, D, c.dtype, dst);
+        read_value_row(data.data<uint8_t>(), scale_words(scales), row, D, c.dtype, dst);
       else
         read_row(static_cast<const std::byte*>(data.raw()) + row * width * es, D, c.dtype, dst);
     }

@@ -101,8 +101,8 @@ void paged_decode(const View<const T>& q, const PagedKvCache& cache, const std::
     const Tensor& ks = cache.key_scale_pool();
     const Tensor& vs = cache.value_scale_pool();
     p.kv_bits = kv_storage::quant_bits(c.dtype);
-    p.k_scales = ks.data<float>();
-    p.v_scales = vs.data<float>();
+    p.k_scales = kv_storage::scale_words(ks);
+    p.v_scales = kv_storage::scale_words(vs);
     p.k_scale_stride = {P * ks.shape()[3], pages * P * ks.shape()[3], ks.shape()[3], 1};
     p.v_scale_stride = {P * vs.shape()[3], pages * P * vs.shape()[3], vs.shape()[3], 1};
     p.k_channel_scales = channels.data();
@@ -157,7 +157,8 @@ bool attention_over_quantized_cache(const View<const float>& q, const KvCache& c
   std::vector<int64_t> lengths(static_cast<size_t>(c.batch));
   for (int64_t b = 0; b < c.batch; ++b) lengths[b] = cache.stored(b);
   const View<const uint8_t> kc = cache.key_codes(), vc = cache.value_codes();
-  const View<const float> ks = cache.key_scales(), vs = cache.value_scales(), ch = cache.key_channel_scales();
+  const View<const uint32_t> ks = cache.key_scales(), vs = cache.value_scales();
+  const View<const float> ch = cache.key_channel_scales();
   kernels::AttentionParams p =
       decode_params(q, out, c.kv_heads, c.head_dim_qk, c.head_dim_v, options, causal_offset, 0, score);
   p.kv_len = cache.capacity();

@@ -213,8 +213,9 @@ def test_sixteen_bit_kv_cache(dt):
 @pytest.mark.parametrize("dt", ["int8", "int4", torch.int8])
 def test_quantized_kv_cache(dt):
     """step() from an int8/int4 cache against a float32 cache: the sizes the format promises
-    (codes + a float32 scale and minimum per 32 values, 4 float32 outlier channels per key row)
-    and a bounded error (the C++ suite measures it per decoded row: docs/numerics.md)."""
+    (codes + a float32 (int8) or bfloat16 (int4) scale and minimum per 32 values, 4 float32
+    outlier channels per key row) and a bounded error (the C++ suite measures it per decoded
+    row: docs/numerics.md)."""
     torch.manual_seed(3)
     m = mha.MultiheadAttention(128, 4, batch_first=True, num_kv_heads=2)  # head dim 32: one group
     x = torch.randn(2, 12, 128)
@@ -225,7 +226,8 @@ def test_quantized_kv_cache(dt):
     b = torch.cat([m.step(x[:, :6], cq), m.step(x[:, 6:7], cq), m.step(x[:, 7:], cq)], dim=1)
     bits = 8 if name == "int8" else 4
     rows = c32.nbytes // (32 * 4)  # rows of 32 values, half of them keys
-    assert cq.nbytes == rows * (32 * bits // 8 + 8) + rows // 2 * 4 * 4  # + 4 outlier key channels
+    group = 8 if bits == 8 else 4  # float32 or bfloat16 scale and minimum
+    assert cq.nbytes == rows * (32 * bits // 8 + group) + rows // 2 * 4 * 4  # + 4 outlier key channels
     err = rel_error(b.numpy(), a.numpy())
     record(f"kv cache {name} vs float32 cache", err)
     assert 0 < err <= (2e-2 if bits == 8 else 0.3)

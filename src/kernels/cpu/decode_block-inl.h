@@ -114,20 +114,25 @@ constexpr bool FoldsValueScales() {
   return Kv::kKeyTiles && !HWY_HAVE_SCALABLE && kOutVecs * hn::MaxLanes(DF()) == static_cast<size_t>(kCacheQuantGroup);
 }
 
-// A block's value scales (keys j < jn from vrows, the block's first at a multiple of N) into st:
-// 2·groups rows of ldp floats, element e of key j at st[e·ldp + j], zeros past jn up to a whole
-// vector, which the weights' products then read by vectors. The scales lie by tiles of
-// kCacheKeyTile rows (kv_cache.h): N keys from a multiple of N share a tile (N divides it), so
-// their element e is N adjacent floats, one load (rows took transposes: docs/benchmarks.md).
+// A block's value scales (keys j < jn from vrows, the block's first at a multiple of N) into st
+// as float32: 2·groups rows of ldp floats, group g's scale of key j at st[2g·ldp + j] and its
+// minimum at st[(2g + 1)·ldp + j], zeros past jn up to a whole vector, which the weights'
+// products then read by vectors. The scale words lie by tiles of kCacheKeyTile rows (kv_cache.h):
+// N keys from a multiple of N share a tile (N divides it), so a word of theirs is N adjacent
+// words, one load (rows took transposes: docs/benchmarks.md).
 template <class Kv>
 HWY_INLINE void StageValueScales(DF d, size_t ldp, const typename Kv::Row* vrows, size_t jn, size_t groups,
                                  float* HWY_RESTRICT st) {
   const size_t N = hn::Lanes(d);
   for (size_t x0 = 0; x0 < jn; x0 += N) {
-    const float* at = vrows[x0].scales;  // lane x0 % kCacheKeyTile of its tile: a multiple of N
+    const uint32_t* at = vrows[x0].scales;  // lane x0 % kCacheKeyTile of its tile: a multiple of N
     const auto keep = hn::FirstN(d, jn - x0);
-    for (size_t e = 0; e < 2 * groups; ++e)
-      hn::Store(hn::IfThenElseZero(keep, hn::LoadU(d, at + e * kCacheKeyTile)), d, st + e * ldp + x0);
+    for (size_t g = 0; g < groups; ++g) {
+      hn::Vec<DF> step, lo;
+      GroupScales<Kv::kCodeBits>(d, at, g, 0, step, lo);
+      hn::Store(hn::IfThenElseZero(keep, step), d, st + 2 * g * ldp + x0);
+      hn::Store(hn::IfThenElseZero(keep, lo), d, st + (2 * g + 1) * ldp + x0);
+    }
   }
 }
 

@@ -121,19 +121,46 @@ struct PlainKv {
   }
 };
 
+// Scale words per group of a kBits cache (kv_cache.h): int8 two (float32 scale, minimum), int4
+// one (a bfloat16 scale in the low half, the minimum in the high half).
+template <int kBits>
+constexpr size_t kScaleWords = kBits == 8 ? 2 : 1;
+
+// Group g's scales and minima for the lanes from lane0 of a tile's scale words (word e of lane l
+// at words[kCacheKeyTile · e + l]): int4's bfloat16 halves widened by a shift and an and. D: a
+// float descriptor (the intrinsics paths take Full256's or DF's .raw).
+template <int kBits, class D>
+HWY_INLINE void GroupScales(D d, const uint32_t* words, size_t g, size_t lane0, hn::Vec<D>& step, hn::Vec<D>& lo) {
+  const hn::RebindToUnsigned<D> du;
+  constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile);
+  if constexpr (kBits == 8) {
+    step = hn::BitCast(d, hn::LoadU(du, words + 2 * g * kTile + lane0));
+    lo = hn::BitCast(d, hn::LoadU(du, words + (2 * g + 1) * kTile + lane0));
+  } else {
+    const auto word = hn::LoadU(du, words + g * kTile + lane0);
+    step = hn::BitCast(d, hn::ShiftLeft<16>(word));
+    lo = hn::BitCast(d, hn::And(word, hn::Set(du, 0xFFFF0000u)));
+  }
+}
+
 template <int kBits>
 struct QuantKv {
-  // A value row: its codes, and its (scale, minimum) pairs per group in its lane of their tile
-  // (kv_cache.h: element e at scales[kCacheKeyTile · e], as scale(e) reads it).
+  // A value row: its codes, and its scale words in its lane of their tile (kv_cache.h: word e
+  // at scales[kCacheKeyTile · e]); scale(2g) and scale(2g + 1) are group g's scale and minimum.
   struct Row {
     const uint8_t* codes;
-    const float* scales;
-    float scale(size_t e) const { return scales[static_cast<size_t>(kCacheKeyTile) * e]; }
+    const uint32_t* scales;
+    float scale(size_t e) const {
+      constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile);
+      if constexpr (kBits == 8) return cache_word_float(scales[kTile * e]);
+      const uint32_t word = scales[kTile * (e / 2)];
+      return e % 2 ? cache_group_minimum(word) : cache_group_scale(word);
+    }
   };
   // The codes and transposed scales of the kCacheKeyTile keys of a tile (kv_cache.h).
   struct Tile {
     const uint8_t* codes;
-    const float* scales;
+    const uint32_t* scales;
   };
   static constexpr bool kPadded = true;  // rows hold whole groups of 32 values (N divides 32)
   static constexpr bool kOutliers = true;  // keys may have outlier channels (after the groups' scales)
@@ -143,8 +170,8 @@ struct QuantKv {
   static constexpr size_t kGroupBytes = kGroup * kBits / 8;  // a group's codes
   const uint8_t* k;
   const uint8_t* v;
-  const float* ksc;
-  const float* vsc;
+  const uint32_t* ksc;
+  const uint32_t* vsc;
   RowOffset kr, vr, ksr, vsr;
   size_t kbytes, vbytes;  // a key's / value's codes: whole groups of kBits each
   size_t kgroups;         // a key's groups (of its padded row)
@@ -169,7 +196,7 @@ struct QuantKv {
   }
   static constexpr size_t kColumnAlign = kGroup;  // Columns starts at a group
   static Row Columns(Row r, size_t c0) {
-    return {r.codes + c0 / kGroup * kGroupBytes, r.scales + c0 / kGroup * 2 * kCacheKeyTile};
+    return {r.codes + c0 / kGroup * kGroupBytes, r.scales + c0 / kGroup * kScaleWords<kBits> * kCacheKeyTile};
   }
   // Codes [i, i + N) of group g as float (i a multiple of N, N divides the group).
   HWY_INLINE static hn::Vec<DF> Codes(DF d, Row r, size_t g, size_t i) {
@@ -194,16 +221,16 @@ struct QuantKv {
   void AheadKeys(LineStream& ahead, int64_t lo, int64_t hi) const {
     lo = lo / kCacheKeyTile * kCacheKeyTile;
     hi = (hi + kCacheKeyTile - 1) / kCacheKeyTile * kCacheKeyTile;
-    const size_t scales = (2 * kgroups + kCacheKeyOutliers) * sizeof(float);
+    const size_t scales = (kgroups * kScaleWords<kBits> + kCacheKeyOutliers) * sizeof(uint32_t);
     kr.Runs(lo, hi, 1, kbytes, [&](int64_t at, size_t bytes) { ahead.Add(0, k + at, bytes); });
-    ksr.Runs(lo, hi, sizeof(float), scales, [&](int64_t at, size_t bytes) { ahead.Add(1, ksc + at, bytes); });
+    ksr.Runs(lo, hi, sizeof(uint32_t), scales, [&](int64_t at, size_t bytes) { ahead.Add(1, ksc + at, bytes); });
   }
   void AheadValues(LineStream& ahead, int64_t lo, int64_t hi) const {
-    const size_t scales = vbytes / kGroupBytes * 2 * sizeof(float);
+    const size_t scales = vbytes / kGroupBytes * kScaleWords<kBits> * sizeof(uint32_t);
     vr.Runs(lo, hi, 1, vbytes, [&](int64_t at, size_t bytes) { ahead.Add(2, v + at, bytes); });
     lo = lo / kCacheKeyTile * kCacheKeyTile;  // the scales' tiles
     hi = (hi + kCacheKeyTile - 1) / kCacheKeyTile * kCacheKeyTile;
-    vsr.Runs(lo, hi, sizeof(float), scales, [&](int64_t at, size_t bytes) { ahead.Add(3, vsc + at, bytes); });
+    vsr.Runs(lo, hi, sizeof(uint32_t), scales, [&](int64_t at, size_t bytes) { ahead.Add(3, vsc + at, bytes); });
   }
 };
 

@@ -42,7 +42,7 @@ namespace decode {
 // then the outlier channels' exact values times their query entries (qo). No stage and no
 // horizontal sums: the scale and minimum apply once per group of 32 channels.
 template <int kBits, size_t RT>
-HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size_t lane0, size_t groups,
+HWY_INLINE void TileScores(DF d, const uint8_t* codes, const uint32_t* scales, size_t lane0, size_t groups,
                            const float* q, size_t ldq, const float* qsum, const float* qo, size_t nout, float* s,
                            size_t lds, LineStream& ahead) {
   using V = hn::Vec<DF>;
@@ -68,13 +68,13 @@ HWY_INLINE void TileScores(DF d, const uint8_t* codes, const float* scales, size
         for (size_t r = 0; r < RT; ++r) sum[r] = hn::MulAdd(code, hn::Set(d, qc[r * ldq]), sum[r]);
       }
     }
-    const V step = hn::LoadU(d, scales + 2 * g * kTile + lane0);
-    const V lo = hn::LoadU(d, scales + (2 * g + 1) * kTile + lane0);
+    V step, lo;
+    GroupScales<kBits>(d, scales, g, lane0, step, lo);
     for (size_t r = 0; r < RT; ++r)
       acc[r] = hn::MulAdd(sum[r], step, hn::MulAdd(lo, hn::Set(d, qsum[r * groups + g]), acc[r]));
   }
   for (size_t i = 0; i < nout; ++i) {
-    const V x = hn::LoadU(d, scales + (2 * groups + i) * kTile + lane0);
+    const V x = hn::BitCast(d, hn::LoadU(du, scales + (kScaleWords<kBits> * groups + i) * kTile + lane0));
     for (size_t r = 0; r < RT; ++r)
       acc[r] = hn::MulAdd(x, hn::Set(d, qo[r * static_cast<size_t>(kCacheKeyOutliers) + i]), acc[r]);
   }
@@ -156,7 +156,7 @@ inline void RepeatWords(const int32_t* qw, size_t ldw, int64_t R, int32_t* qv) {
 // which GCC spilled two of 4 rows' 8; the cache-resident int8 step took 0.34 ms where this takes
 // 0.30.
 template <int kBits, size_t RT>
-HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t lane0, size_t groups,
+HWY_INLINE void TileDots256(const uint8_t* codes, const uint32_t* scales, size_t lane0, size_t groups,
                             const int32_t* qv, size_t ldv, const float* qscale, const float* qsum, const float* qo,
                             size_t nout, float* s, size_t lds, LineStream& ahead) {
   constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile), kWordBytes = static_cast<size_t>(kCacheKeyTileBytes);
@@ -210,15 +210,18 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t la
         }
       }
     }
-    const __m256 step = _mm256_loadu_ps(scales + 2 * g * kTile + lane0);
-    const __m256 lo = _mm256_loadu_ps(scales + (2 * g + 1) * kTile + lane0);
+    const hn::Full256<float> d8;
+    hn::Vec<decltype(d8)> group_step, group_lo;
+    GroupScales<kBits>(d8, scales, g, lane0, group_step, group_lo);
+    const __m256 step = group_step.raw, lo = group_lo.raw;
     for (size_t r = 0; r < RT; ++r) {
       acc[r] = _mm256_fmadd_ps(lo, _mm256_set1_ps(qsum[r * groups + g]), acc[r]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(step, _mm256_set1_ps(qscale[r])), acc[r]);
     }
   }
   for (size_t i = 0; i < nout; ++i) {
-    const __m256 x = _mm256_loadu_ps(scales + (2 * groups + i) * kTile + lane0);
+    const auto* at = reinterpret_cast<const __m256i*>(scales + (kScaleWords<kBits> * groups + i) * kTile + lane0);
+    const __m256 x = _mm256_castsi256_ps(_mm256_loadu_si256(at));
     for (size_t r = 0; r < RT; ++r)
       acc[r] = _mm256_fmadd_ps(x, _mm256_set1_ps(qo[r * static_cast<size_t>(kCacheKeyOutliers) + i]), acc[r]);
   }
@@ -242,7 +245,7 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const float* scales, size_t la
 // most qscale/2 · Σ_c scale_g·code_c. 16 lanes: a tile per vector.
 template <int kBits, size_t RT>
 __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
-    const uint8_t* codes, const float* scales, size_t groups, const int32_t* qh, const int32_t* ql, size_t ldw,
+    const uint8_t* codes, const uint32_t* scales, size_t groups, const int32_t* qh, const int32_t* ql, size_t ldw,
     const float* qscale, const float* qsum, const float* qo, size_t nout, float* s, size_t lds, LineStream& ahead) {
   constexpr size_t kTile = static_cast<size_t>(kCacheKeyTile), kWordBytes = static_cast<size_t>(kCacheKeyTileBytes);
   constexpr size_t kWords = static_cast<size_t>(kCacheQuantGroup) * kBits / 32;  // tile words per group
@@ -272,7 +275,9 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
         }
       }
     }
-    const __m512 step = _mm512_loadu_ps(scales + 2 * g * kTile), lo = _mm512_loadu_ps(scales + (2 * g + 1) * kTile);
+    hn::Vec<DF> group_step, group_lo;  // DF: 16 lanes (AVX3), a tile
+    GroupScales<kBits>(DF(), scales, g, 0, group_step, group_lo);
+    const __m512 step = group_step.raw, lo = group_lo.raw;
     for (size_t r = 0; r < RT; ++r) {
       const __m512i high = kBits == 8 ? _mm512_slli_epi32(sh[r], 8) : sh[r];  // int8: 256·Σh + Σl
       const __m512i sum = _mm512_add_epi32(high, sl[r]);
@@ -282,7 +287,7 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512vnni"))) void TileDots(
     }
   }
   for (size_t i = 0; i < nout; ++i) {
-    const __m512 x = _mm512_loadu_ps(scales + (2 * groups + i) * kTile);
+    const __m512 x = _mm512_castsi512_ps(_mm512_loadu_si512(scales + (kScaleWords<kBits> * groups + i) * kTile));
     for (size_t r = 0; r < RT; ++r)
       acc[r] = _mm512_fmadd_ps(x, _mm512_set1_ps(qo[r * static_cast<size_t>(kCacheKeyOutliers) + i]), acc[r]);
   }
