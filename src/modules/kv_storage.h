@@ -28,7 +28,7 @@ void check_row_width(int64_t width, const char* what);
 int64_t quant_groups(int64_t width);
 int64_t row_elements(CacheType t, int64_t width);  // stored elements (bytes for codes) per row
 // 32-bit words per row of an int8/int4 cache's scales: a group's scale and minimum
-// (cache_group_words(bits) words), then for keys the kCacheKeyOutliers outlier channel values,
+// (group_words(bits) words), then for keys the kCacheKeyOutliers outlier channel values,
 // from outlier_offset(width, bits) on.
 int64_t scale_elements(int64_t width, bool keys, CacheType type);
 int64_t outlier_offset(int64_t width, int bits);
