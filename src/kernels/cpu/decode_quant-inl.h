@@ -210,9 +210,9 @@ HWY_INLINE void TileDots256(const uint8_t* codes, const uint32_t* scales, size_t
         }
       }
     }
-    const hn::Full256<float> d8;
-    hn::Vec<decltype(d8)> group_step, group_lo;
-    GroupScales<kBits>(d8, scales, g, lane0, group_step, group_lo);
+    const hn::Full256<float> d256;  // 8 lanes, whatever the target
+    hn::Vec<decltype(d256)> group_step, group_lo;
+    GroupScales<kBits>(d256, scales, g, lane0, group_step, group_lo);
     const __m256 step = group_step.raw, lo = group_lo.raw;
     for (size_t r = 0; r < RT; ++r) {
       acc[r] = _mm256_fmadd_ps(lo, _mm256_set1_ps(qsum[r * groups + g]), acc[r]);
