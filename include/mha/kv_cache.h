@@ -71,6 +71,9 @@ constexpr int64_t kCacheKeyTileBytes = 64;
 // Outlier key channels an int8/int4 cache keeps exactly, per sequence and kv head.
 constexpr int64_t kCacheKeyOutliers = 4;
 
+// 32-bit scale words per group of an int8 (bits = 8: its float32 scale and minimum) or int4
+// (bits = 4: one bfloat16 pair) cache.
+constexpr int64_t cache_group_words(int bits) { return bits == 8 ? 2 : 1; }
 // A float32 word of key_scales() / value_scales() (an int8 group's scale or minimum, an outlier
 // channel's value) as its float.
 inline float cache_word_float(uint32_t word) {

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -25,18 +24,11 @@ constexpr float kQuantLimit = 0x1p127f;
 uint32_t bf16_directed(double x, bool up) {
   float f = static_cast<float>(x);  // nearest, then one step the way asked if it went the other
   if (up ? f < x : f > x) f = std::nextafter(f, up ? kQuantLimit * 2 : -kQuantLimit * 2);
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t bits = float_bits(f);
   const uint32_t high = bits >> 16;
   if ((bits & 0xFFFFu) == 0) return high;
   const bool negative = bits >> 31;
   return up != negative ? high + 1 : high;  // dropping the low half rounds toward zero
-}
-float bf16_value(uint32_t bits) { return cache_group_scale(bits); }
-uint32_t float_bits(float x) {
-  uint32_t w;
-  std::memcpy(&w, &x, sizeof w);
-  return w;
 }
 
 bool is_outlier(const int64_t* outliers, int64_t c) {
@@ -91,9 +83,9 @@ void quantize_row(const float* row, int64_t cs, int64_t width, int bits, const f
       // so that the codes' values cover [lo, hi] and each value is within half a step of its code's.
       lo = std::clamp(lo, -kQuantLimit, kQuantLimit), hi = std::clamp(hi, -kQuantLimit, kQuantLimit);
       const uint32_t minimum = bf16_directed(lo, false);
-      const uint32_t scale = bf16_directed((static_cast<double>(hi) - bf16_value(minimum)) / levels, true);
-      lo = bf16_value(minimum);
-      step = bf16_value(scale);
+      lo = bf16_to_float(static_cast<uint16_t>(minimum));
+      const uint32_t scale = bf16_directed((static_cast<double>(hi) - lo) / levels, true);
+      step = bf16_to_float(static_cast<uint16_t>(scale));
       word(g) = finite ? minimum << 16 | scale : 0x7FC07FC0u;  // NaN in both halves
     }
     for (int64_t i = 0; i < G; ++i) {
@@ -184,7 +176,7 @@ void check_row_width(int64_t width, const char* what) {
 
 int64_t quant_groups(int64_t width) { return (width + kCacheQuantGroup - 1) / kCacheQuantGroup; }
 
-int64_t outlier_offset(int64_t width, int bits) { return quant_groups(width) * group_words(bits); }
+int64_t outlier_offset(int64_t width, int bits) { return quant_groups(width) * cache_group_words(bits); }
 
 int64_t scale_elements(int64_t width, bool keys, CacheType type) {
   return outlier_offset(width, quant_bits(type)) + (keys ? kCacheKeyOutliers : 0);

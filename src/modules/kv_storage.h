@@ -11,8 +11,6 @@
 namespace mha::kv_storage {
 
 int quant_bits(CacheType t);        // 8, 4, or 0 for the float types
-// Scale words per group (kv_cache.h): int8 two (float32 scale, minimum), int4 one (bfloat16 pair).
-constexpr int64_t group_words(int bits) { return bits == 8 ? 2 : 1; }
 // The scale words of int8/int4 storage live in tensors of this type (any 32-bit type would do;
 // DType has no unsigned one), read and written through scale_words().
 constexpr DType kScaleWordType = DType::kI32;
@@ -28,7 +26,7 @@ void check_row_width(int64_t width, const char* what);
 int64_t quant_groups(int64_t width);
 int64_t row_elements(CacheType t, int64_t width);  // stored elements (bytes for codes) per row
 // 32-bit words per row of an int8/int4 cache's scales: a group's scale and minimum
-// (group_words(bits) words), then for keys the kCacheKeyOutliers outlier channel values,
+// (cache_group_words(bits) words), then for keys the kCacheKeyOutliers outlier channel values,
 // from outlier_offset(width, bits) on.
 int64_t scale_elements(int64_t width, bool keys, CacheType type);
 int64_t outlier_offset(int64_t width, int bits);

@@ -121,10 +121,9 @@ struct PlainKv {
   }
 };
 
-// Scale words per group of a kBits cache (kv_cache.h): int8 two (float32 scale, minimum), int4
-// one (a bfloat16 scale in the low half, the minimum in the high half).
+// Scale words per group of a kBits cache (kv_cache.h).
 template <int kBits>
-constexpr size_t kScaleWords = kBits == 8 ? 2 : 1;
+constexpr size_t kScaleWords = static_cast<size_t>(cache_group_words(kBits));
 
 // Group g's scales and minima for the lanes from lane0 of a tile's scale words (word e of lane l
 // at words[kCacheKeyTile · e + l]): int4's bfloat16 halves widened by a shift and an and. D: a
