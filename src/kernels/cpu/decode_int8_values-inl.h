@@ -22,6 +22,7 @@
 #include "hwy/highway.h"
 #include "kernels/cpu/decode_block-inl.h"
 #include "kernels/cpu/decode_kv-inl.h"
+#include "kernels/cpu/decode_value_scales-inl.h"
 #include "kernels/cpu/prefetch.h"
 #include "mha/kv_cache.h"
 

@@ -10,7 +10,8 @@
 // cache codes dequantized in registers (PlainKv, QuantKv: decode_kv-inl.h; the scores of N keys,
 // the block's online softmax and the output pass over a block: decode_block-inl.h; int8/int4 keys
 // by tiles and bfloat16 keys with dot products: decode_quant-inl.h; int4 and int8 values with
-// dot products: decode_int4_values-inl.h, decode_int8_values-inl.h). This file runs the blocks of
+// dot products: decode_int4_values-inl.h, decode_int8_values-inl.h, and the value scales they
+// read: decode_value_scales-inl.h). This file runs the blocks of
 // a chunk (prefetches, the passes each block takes; its query rows: decode_query-inl.h) and the
 // chunks as tasks. The keys of a (batch, kv head) may be cut into S chunks (S depends on the
 // shape alone, never on threads) that run as separate tasks; their partial (O, m, l) are merged
@@ -34,6 +35,7 @@
 #include "kernels/cpu/decode_merge-inl.h"
 #include "kernels/cpu/decode_quant-inl.h"
 #include "kernels/cpu/decode_query-inl.h"
+#include "kernels/cpu/decode_value_scales-inl.h"
 #include "kernels/cpu/exp2-inl.h"
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/transpose-inl.h"
