@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <mutex>
@@ -55,6 +56,61 @@ void parallel_for(int64_t n, int num_threads, F&& f) {
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// parallel_for whose tasks may take their thread's next task before they end, to prefetch its
+// inputs while their own last work runs: f(t, claim, claimed), where claim() hands this thread
+// the next task in index order now (its index, or n where none is left; the same index again if
+// called twice) and that task runs next on this thread, and `claimed` says whether the task
+// before t on this thread claimed t. After a task that never calls claim(), its thread takes the
+// next task when the task ends, as parallel_for's threads do. Taken at a task's last piece of work, a claim leaves the threads
+// as balanced as parallel_for does, within that piece. Which thread runs a task still never
+// changes its result. An exception thrown by a task is rethrown once every task has run, on any
+// number of threads.
+template <typename F>
+void parallel_for_ahead(int64_t n, int num_threads, F&& f) {
+  const int threads = static_cast<int>(std::min<int64_t>(resolve_threads(num_threads), n));
+  std::exception_ptr error;
+  if (threads <= 1) {
+    bool claimed = false;
+    for (int64_t t = 0; t < n; ++t) {
+      bool claims = false;
+      const auto claim = [&] {
+        claims = true;
+        return t + 1;
+      };
+      try {
+        f(t, claim, claimed);
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+      claimed = claims;
+    }
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::mutex error_mutex;
+#pragma omp parallel num_threads(threads)
+  {
+    bool claimed = false;
+    for (int64_t t = next.fetch_add(1); t < n;) {
+      int64_t after = -1;  // the task claimed by t, once it claims one
+      const auto claim = [&] {
+        if (after < 0) after = std::min(next.fetch_add(1), n);
+        return after;
+      };
+      try {
+        f(t, claim, claimed);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+      claimed = after >= 0;
+      t = claimed ? after : next.fetch_add(1);
     }
   }
   if (error) std::rethrow_exception(error);

@@ -24,7 +24,9 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/decode_amx-inl.h"
@@ -100,11 +102,62 @@ Split ChooseSplit(const AttentionParams& p, size_t block) {
   return {std::max<int64_t>(parts, 1), std::max<int64_t>(chunk, static_cast<int64_t>(block))};
 }
 
+// The keys that the R rows of batch b see within [k0, k1): each row's in seen[r], and the span
+// [ua, ub) of them all (ua >= ub where no row sees one). Key tiles are read N keys at a time
+// from a multiple of N (N divides the tile), so for them ua is rounded down to one; the masks
+// drop keys before a row's first.
+template <class Kv>
+std::pair<int64_t, int64_t> ChunkSpan(const AttentionParams& p, int64_t b, int64_t R, int64_t k0, int64_t k1,
+                                      KeyRange* seen) {
+  const DecodeRows rows{R};
+  int64_t ua = k1, ub = k0;
+  for (int64_t r = 0; r < R; ++r) {
+    const KeyRange k = visible_keys(p, b, rows.query(p, r));
+    seen[r] = KeyRange{std::max(k.lo, k0), std::min(k.hi, k1), std::min(k.sink_hi, k1)};  // sinks: [k0, sink_hi)
+    if (seen[r].hi > seen[r].lo) ua = std::min(ua, seen[r].lo), ub = std::max(ub, seen[r].hi);
+    if (seen[r].sink_hi > k0) ua = std::min(ua, k0), ub = std::max(ub, seen[r].sink_hi);
+  }
+  const auto N = static_cast<int64_t>(hn::Lanes(DF()));
+  if constexpr (Kv::kKeyTiles) ua = ua / N * N;
+  return {ua, ub};
+}
+
+// Queues into `ahead` the lines of the first block that DecodeChunk reads over keys [k0, k1) of
+// (b, hk): the last block of the task before it on the same thread asks for them
+// (parallel_for_ahead), so that the task does not start by waiting for its first block.
+template <class Kv>
+void QueueFirstBlock(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, int64_t k1, LineStream& ahead) {
+  KeyRange seen[kMaxDecodeRows];
+  const auto [ua, ub] = ChunkSpan<Kv>(p, b, p.group() * p.q_len, k0, k1, seen);
+  const int64_t hi = std::min<int64_t>(ub, ua + static_cast<int64_t>(kBlockVecs<Kv> * hn::Lanes(DF())));
+  if (ua >= hi) return;
+  const Kv kv(p, b, hk);
+  kv.AheadKeys(ahead, ua, hi);
+  kv.AheadValues(ahead, ua, hi);
+}
+
+// What queues the first block of the task that runs next on this thread: a reference to a
+// callable f(LineStream&), without making DecodeChunk a template of its type (each of its
+// callers' lambdas would be a copy of the kernel).
+class QueueNext {
+ public:
+  template <class F>
+  explicit QueueNext(const F& f)
+      : f_(&f), call_([](const void* f, LineStream& ahead) { (*static_cast<const F*>(f))(ahead); }) {}
+  void operator()(LineStream& ahead) const { call_(f_, ahead); }
+
+ private:
+  const void* f_;
+  void (*call_)(const void*, LineStream&);
+};
+
 // Partial attention of rows of (b, hk) over keys [k0, k1): unnormalised O (rows × dvp), m, l.
-// Kv: how K and V are stored (PlainKv<T>, QuantKv<bits>).
+// Kv: how K and V are stored (PlainKv<T>, QuantKv<bits>). first_queued: whether the task before
+// this one queued its first block's lines (QueueFirstBlock); queue_next queues the next task's,
+// during the last block.
 template <class Kv>
 void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, int64_t k1, float* o, float* m,
-                 float* l) {
+                 float* l, bool first_queued, const QueueNext& queue_next) {
   const DF d;
   const size_t N = hn::Lanes(d), block = kBlockVecs<Kv> * N;
   const int64_t R = p.group() * p.q_len;
@@ -119,12 +172,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   KeyRange* seen = ws.get<KeyRange>(Workspace::kDecodeSeen, R);  // each row's visible keys within [k0, k1)
   float* saved = ws.get<float>(Workspace::kDecodeSavedOut, static_cast<size_t>(R) * dvp);  // see `partial`
   const DecodeRows rows{R};
-  int64_t ua = k1, ub = k0;
+  int64_t ua, ub;
+  std::tie(ua, ub) = ChunkSpan<Kv>(p, b, R, k0, k1, seen);
   for (int64_t r = 0; r < R; ++r) {
-    const KeyRange k = visible_keys(p, b, rows.query(p, r));
-    seen[r] = KeyRange{std::max(k.lo, k0), std::min(k.hi, k1), std::min(k.sink_hi, k1)};  // sinks: [k0, sink_hi)
-    if (seen[r].hi > seen[r].lo) ua = std::min(ua, seen[r].lo), ub = std::max(ub, seen[r].hi);
-    if (seen[r].sink_hi > k0) ua = std::min(ua, k0), ub = std::max(ub, seen[r].sink_hi);
     m[r] = kNegInf;
     l[r] = 0.0f;
     std::fill(o + r * dvp, o + (r + 1) * dvp, 0.0f);
@@ -146,9 +196,6 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots() && !decode_vnni_byte_values();
   uint32_t* pw = pairs ? ws.get<uint32_t>(Workspace::kDecodeWeightPairs, static_cast<size_t>(R) * block / 2) : nullptr;
 #endif
-  // Key tiles are read N keys at a time from a multiple of N (N divides the tile); the masks
-  // below drop keys before a row's first.
-  if constexpr (Kv::kKeyTiles) ua = ua / static_cast<int64_t>(N) * static_cast<int64_t>(N);
   const Kv kv(p, b, hk);
   typename Kv::Row krows[hn::MaxLanes(DF())];
   typename Kv::Row vrows[kBlockVecs<Kv> * hn::MaxLanes(DF()) + 3];
@@ -213,8 +260,10 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       kv.AheadValues(ahead, j, hi);
     }
   };
-  queue_block(ua);  // the first block's lines, which no earlier block prefetched: at once
-  ahead.IssueAll();
+  if (!first_queued) {  // the first block's lines, which no earlier block prefetched: at once
+    queue_block(ua);
+    ahead.IssueAll();
+  }
   for (int64_t j0 = ua; j0 < ub; j0 += static_cast<int64_t>(block)) {
     const int64_t jn = std::min<int64_t>(static_cast<int64_t>(block), ub - j0);
     if (p.sink_tokens > 0) {  // a block in the gap between sink tokens and every row's window: skip
@@ -225,7 +274,12 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       }
       if (!any) continue;
     }
-    queue_block(j0 + static_cast<int64_t>(block));
+    if (j0 + static_cast<int64_t>(block) < ub) {
+      queue_block(j0 + static_cast<int64_t>(block));
+    } else {  // the last block: the first of this thread's next task
+      ahead.Clear();
+      queue_next(ahead);
+    }
     const uint64_t score_macs = static_cast<uint64_t>(R) * ((static_cast<size_t>(jn) + N - 1) / N * N) * depth;
     ahead.Plan(score_macs * score_work + static_cast<uint64_t>(R) * static_cast<uint64_t>(jn) * Dv * value_work);
     // Scores: for each N keys, every row's N dot products (head dim in the lanes), K rows read
@@ -418,14 +472,30 @@ void DecodeOf(const AttentionParams& p, int num_threads) {
   const Split split = ChooseSplit(p, block);
   const int64_t heads = p.batch * p.kv_heads, R = p.group() * p.q_len;
   const size_t dvp = (static_cast<size_t>(p.head_dim_v) + N - 1) / N * N;
+  // Task t's keys: chunk t % parts of (b, kv head) t / parts. Each task's last block prefetches
+  // the first of the task its thread runs next (parallel_for_ahead, QueueFirstBlock): with many
+  // short tasks (a batch of short sequences) their first blocks' waits added up.
+  const auto task_keys = [&](int64_t t) {
+    const int64_t part = t % split.parts;
+    return std::pair<int64_t, int64_t>{part * split.chunk, std::min(p.kv_len, (part + 1) * split.chunk)};
+  };
+  const int64_t tasks = heads * split.parts;
+  const auto queue_task = [&](int64_t t, LineStream& ahead) {
+    if (t >= tasks) return;
+    const int64_t bh = t / split.parts;
+    int64_t k0, k1;
+    std::tie(k0, k1) = task_keys(t);
+    QueueFirstBlock<Kv>(p, bh / p.kv_heads, bh % p.kv_heads, k0, k1, ahead);
+  };
   if (split.parts == 1) {
     // One chunk per (b, kv head): each task merges (normalises) its own result, one region.
-    parallel_for(heads, num_threads, [&](int64_t bh) {
+    parallel_for_ahead(heads, num_threads, [&](int64_t bh, const auto& claim, bool queued) {
       Workspace& ws = Workspace::local();
       float* o = ws.get<float>(Workspace::kDecodeOut, static_cast<size_t>(R) * dvp);
       float* m = ws.get<float>(Workspace::kDecodeMax, static_cast<size_t>(R));
       float* l = ws.get<float>(Workspace::kDecodeSum, static_cast<size_t>(R));
-      DecodeChunk<Kv>(p, bh / p.kv_heads, bh % p.kv_heads, 0, p.kv_len, o, m, l);
+      const auto queue = [&](LineStream& ahead) { queue_task(claim(), ahead); };
+      DecodeChunk<Kv>(p, bh / p.kv_heads, bh % p.kv_heads, 0, p.kv_len, o, m, l, queued, QueueNext(queue));
       Merge(p, bh / p.kv_heads, bh % p.kv_heads, 1, o, m, l, dvp);
     });
     return;
@@ -437,11 +507,14 @@ void DecodeOf(const AttentionParams& p, int num_threads) {
   float* o = ws.get<float>(Workspace::kDecodeOut, rows * dvp);
   float* m = ws.get<float>(Workspace::kDecodeMax, rows);
   float* l = ws.get<float>(Workspace::kDecodeSum, rows);
-  parallel_for(heads * split.parts, num_threads, [&](int64_t t) {
-    const int64_t bh = t / split.parts, s = t % split.parts;
+  parallel_for_ahead(tasks, num_threads, [&](int64_t t, const auto& claim, bool queued) {
+    const int64_t bh = t / split.parts;
+    int64_t k0, k1;
+    std::tie(k0, k1) = task_keys(t);
     const size_t at = static_cast<size_t>(t * R);
-    DecodeChunk<Kv>(p, bh / p.kv_heads, bh % p.kv_heads, s * split.chunk, std::min(p.kv_len, (s + 1) * split.chunk),
-                o + at * dvp, m + at, l + at);
+    const auto queue = [&](LineStream& ahead) { queue_task(claim(), ahead); };
+    DecodeChunk<Kv>(p, bh / p.kv_heads, bh % p.kv_heads, k0, k1, o + at * dvp, m + at, l + at, queued,
+                    QueueNext(queue));
   });
   parallel_for(heads, num_threads, [&](int64_t bh) {
     const size_t at = static_cast<size_t>(bh * split.parts * R);
