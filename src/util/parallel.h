@@ -66,10 +66,10 @@ void parallel_for(int64_t n, int num_threads, F&& f) {
 // the next task in index order now (its index, or n where none is left; the same index again if
 // called twice) and that task runs next on this thread, and `claimed` says whether the task
 // before t on this thread claimed t. After a task that never calls claim(), its thread takes the
-// next task when the task ends, as parallel_for's threads do. Taken at a task's last piece of work, a claim leaves the threads
-// as balanced as parallel_for does, within that piece. Which thread runs a task still never
-// changes its result. An exception thrown by a task is rethrown once every task has run, on any
-// number of threads.
+// next task when the task ends, as parallel_for's threads do. Taken at a task's last piece of
+// work, a claim leaves the threads as balanced as parallel_for does, within that piece. Which
+// thread runs a task still never changes its result. An exception thrown by a task is rethrown
+// once every task has run, on any number of threads.
 template <typename F>
 void parallel_for_ahead(int64_t n, int num_threads, F&& f) {
   const int threads = static_cast<int>(std::min<int64_t>(resolve_threads(num_threads), n));
