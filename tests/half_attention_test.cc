@@ -343,7 +343,9 @@ TEST(HalfDecode, Bf16DotScoresStayWithinFloat32Sums) {
   for (const bool amx : amx_paths) {
     SCOPED_TRACE(amx ? "AMX tiles" : "vdpbf16ps");
     kernels::allow_decode_amx(amx);
-    kernels::allow_decode_amx_values(false);  // the keys' products alone (the values': decode_amx_values_test.cc)
+    // The keys' products alone (the values': decode_bf16_values_test.cc).
+    kernels::allow_decode_amx_values(false);
+    kernels::allow_decode_bf16_values(false);
     expect_bf16_dots_near_float_path(base_seed() + 130);
   }
 }

@@ -22,6 +22,8 @@ void restore_kernel_switches() {
   kernels::allow_decode_byte_values(true);
   kernels::allow_decode_amx(true);
   kernels::allow_decode_amx_values(true);
+  kernels::allow_decode_bf16_values(true);
+  kernels::force_decode_bf16_values(false);
   kernels::allow_forward_amx(true);
   kernels::allow_backward_amx(true);
   kernels::set_backward_pack_limit(kernels::kDefaultBackwardPackLimit);

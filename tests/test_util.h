@@ -23,7 +23,8 @@ namespace mha::test {
 uint64_t base_seed();
 
 // Puts back the kernels' run-time switches that a test changed (kernels/cpu/flash.h): the SIMD
-// target, the decode kernel's dot products, VNNI, byte values, AMX (decode, forward, backward).
+// target, the decode kernel's dot products, VNNI, byte values, bfloat16 values, AMX (decode,
+// forward, backward).
 // RestoreKernelSwitches does it when it goes out of scope, also when an assertion ends the test
 // early, so that no later test runs on a switch left off.
 void restore_kernel_switches();

@@ -209,7 +209,8 @@ class KvCache {
 // them) for the value pass, over int8 values the weights times the scales to 16-bit words
 // (AVX-512 VNNI; the output moves by ~6e-4 norm-wise at most, 15× below int8's own error); over
 // bfloat16 values with AMX tiles (CPUs with AMX-BF16, up to 8 query rows per kv head,
-// Dv % 32 == 0) it rounds the attention weights to bfloat16 (docs/numerics.md). options: scale,
+// Dv % 32 == 0) or with AVX-512 BF16 dot products (AMD CPUs with AVX-512 BF16, value columns by
+// 32) it rounds the attention weights to bfloat16 (docs/numerics.md). options: scale,
 // num_threads and backend (causal, window and dropout_p must be unset). Any violated shape is an
 // mha::Error.
 void attend(const View<const float>& q, const KvCache& cache, const View<float>& out,

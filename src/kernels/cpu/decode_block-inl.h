@@ -362,14 +362,17 @@ HWY_INLINE hn::Vec<DF> DotScores(DF d, bool tail, const float* q, const Kv& kv, 
 }
 
 // Whether the scores of Kv's keys take GroupedKeyScores: float32, bfloat16 and float16 keys on
-// AVX2, whose 16 registers fit three keys' accumulators for kTileRows rows. (Two keys at a time,
+// AVX2, whose 16 registers fit three keys' accumulators for kTileRows rows (two keys at a time,
 // float32 keys had stayed with DotScores, which reads 8 key rows per query row: paired, the
 // float32 step from memory took 6–8% longer on an AMD EPYC; three at a time it took 6–8% less,
-// docs/benchmarks.md.)
+// docs/benchmarks.md), and on AVX3 four keys at a time (GroupedKeyScores16: the cache-resident
+// float32 and float16 steps 16–19% below DotScores and StagedScores on an AMD EPYC Zen 4).
+// bfloat16 keys take Bf16Scores where the CPU has AVX-512 BF16.
 template <class Kv>
 constexpr bool GroupKeys() {
-  return HWY_TARGET == HWY_AVX2 && (std::is_same_v<Kv, PlainKv<float>> || std::is_same_v<Kv, PlainKv<bfloat16>> ||
-                                    std::is_same_v<Kv, PlainKv<float16>>);
+  return (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3) &&
+         (std::is_same_v<Kv, PlainKv<float>> || std::is_same_v<Kv, PlainKv<bfloat16>> ||
+          std::is_same_v<Kv, PlainKv<float16>>);
 }
 
 // Keeps v in a register: the compiler may not fold the load that made it into each
@@ -378,6 +381,8 @@ template <class V>
 HWY_INLINE void KeepInRegister(V& v) {
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
   asm("" : "+x"(v.raw));
+#elif HWY_ARCH_X86 && HWY_TARGET == HWY_AVX3
+  asm("" : "+v"(v.raw));
 #else
   (void)v;
 #endif
@@ -444,16 +449,71 @@ HWY_INLINE void GroupedKeyScores(DF d, const float* q, size_t ldq, int64_t R, co
   }
 }
 
+#if HWY_TARGET == HWY_AVX3
+// GroupedKeyScores on AVX-512: four keys at a time against up to kTileRows rows (16 sums), each
+// key vector loaded (and widened) once for those rows and each query vector once per four keys,
+// where DotScores loads every key vector once per row (and StagedScores writes its stage first).
+// A row's four sums are reduced at once by SumLanesOfFour, and the row's four such vectors by
+// JoinFours: together SumLanesOfEach over its 16 keys, so per row and key the products, their
+// order and the sum across lanes are DotScores's: the same bits. (Holding all 16 keys' sums of 4
+// rows would take 64 registers.)
+template <bool kTail, class Kv>
+HWY_INLINE void GroupedKeyScores16(DF d, const float* q, size_t ldq, int64_t R, const Kv& kv,
+                                   const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
+                                   LineStream& ahead) {
+  using V = hn::Vec<DF>;
+  const size_t N = hn::Lanes(d), full = kTail ? depth / N * N : depth;
+  for (int64_t r0 = 0; r0 < R; r0 += kTileRows) {
+    WithTileRows(R - r0, [&](auto rt) HWY_ATTR {
+      constexpr size_t RT = decltype(rt)::value;
+      const float* qr = q + r0 * static_cast<int64_t>(ldq);
+      __m512 part[RT][4];
+      for (size_t g = 0; g < 4; ++g) {
+        ahead.Issue(kFloatWork * RT * 4 * depth);
+        const typename Kv::Row k[4] = {krows[4 * g], krows[4 * g + 1], krows[4 * g + 2], krows[4 * g + 3]};
+        __m512 a[RT][4];
+        for (size_t r = 0; r < RT; ++r)
+          for (size_t x = 0; x < 4; ++x) a[r][x] = _mm512_setzero_ps();
+        auto step = [&](size_t c, auto tail) HWY_ATTR {
+          V kc[4];
+          for (size_t x = 0; x < 4; ++x)
+            kc[x] = decltype(tail)::value ? kv.LoadPartial(d, k[x], c, depth - c) : kv.Load(d, k[x], c);
+          for (size_t r = 0; r < RT; ++r) {
+            V qc = hn::Load(d, qr + r * ldq + c);  // zero past depth (padded)
+            KeepInRegister(qc);
+            for (size_t x = 0; x < 4; ++x) a[r][x] = hn::MulAdd(qc, kc[x], V{a[r][x]}).raw;
+          }
+        };
+        for (size_t c = 0; c < full; c += N) step(c, std::false_type());
+        if (kTail) step(full, std::true_type());
+        for (size_t r = 0; r < RT; ++r) part[r][g] = SumLanesOfFour(a[r]);
+      }
+      for (size_t r = 0; r < RT; ++r) {
+        _mm512_storeu_ps(s + (r0 + static_cast<int64_t>(r)) * static_cast<int64_t>(lds), JoinFours(part[r]));
+      }
+    });
+  }
+}
+#endif
+
 // GroupedKeyScores with a partial last vector or not, as tail says.
 template <class Kv>
 HWY_INLINE void GroupedKeyScores(DF d, bool tail, const float* q, size_t ldq, int64_t R, const Kv& kv,
                                  const typename Kv::Row* krows, size_t depth, float* HWY_RESTRICT s, size_t lds,
                                  LineStream& ahead) {
+#if HWY_TARGET == HWY_AVX3
+  if (tail) {
+    GroupedKeyScores16<true>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
+  } else {
+    GroupedKeyScores16<false>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
+  }
+#else
   if (tail) {
     GroupedKeyScores<true>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
   } else {
     GroupedKeyScores<false>(d, q, ldq, R, kv, krows, depth, s, lds, ahead);
   }
+#endif
 }
 
 // Query row at element q of p.q, times `scale` (then times the keys' channel scales of a

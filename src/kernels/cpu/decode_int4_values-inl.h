@@ -2,9 +2,9 @@
 // bfloat16 dot products: on weights rounded to bytes by ByteValueWeights, with AVX2's vpmaddubsw
 // (Int4Output256, AVX2 target) or AVX-512 VNNI's vpdpbusd (Int4OutputVnni, AVX3 target where the
 // CPU has VNNI and VBMI: decode_vnni_byte_values()), else with bfloat16 dot products on P rounded
-// by PairWeights (Int4Output, AVX3 target where the CPU has AVX-512 BF16). The float pass
-// (DecodeOutput) dequantizes every value in registers; these take two or four keys' products per
-// lane and instruction: docs/ARCHITECTURE.md. The AVX-512 ones are intrinsics in functions
+// by PairWeights (decode_bf16_values-inl.h; Int4Output, AVX3 target where the CPU has AVX-512
+// BF16). The float pass (DecodeOutput) dequantizes every value in registers; these take two or
+// four keys' products per lane and instruction: docs/ARCHITECTURE.md. The AVX-512 ones are intrinsics in functions
 // compiled for those features on top of the AVX3 target's flags, as decode_quant-inl.h's are.
 // MHA_DECODE_BYTE_VALUES says whether this target has ByteValueWeights.
 #if defined(MHA_KERNELS_CPU_DECODE_INT4_VALUES_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "hwy/highway.h"
+#include "kernels/cpu/decode_bf16_values-inl.h"
 #include "kernels/cpu/decode_block-inl.h"
 #include "kernels/cpu/decode_kv-inl.h"
 #include "kernels/cpu/decode_value_scales-inl.h"
@@ -210,18 +211,6 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) void Int4Output(
   }
   for (size_t r = 0; r < RG; ++r)
     for (size_t c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * ldo + c * 16, acc[r][c]);
-}
-
-// The rows' P (R rows of `block` floats, block a multiple of 32) as bfloat16, rounded to
-// nearest even, in order: dword jp of a row holds P[2jp] (low half) and P[2jp + 1].
-__attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) inline void PairWeights(const float* s, int64_t R,
-                                                                                  size_t block, uint32_t* pw) {
-  for (int64_t r = 0; r < R; ++r)
-    for (size_t k = 0; k < block; k += 32) {
-      const float* x = s + r * static_cast<int64_t>(block) + k;
-      const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
-      _mm512_storeu_si512(pw + r * static_cast<int64_t>(block / 2) + k / 2, reinterpret_cast<__m512i>(p));
-    }
 }
 
 // The value pass over an int4 cache with AVX-512 VNNI, RT rows and the NV vectors of 16 columns

@@ -61,6 +61,16 @@ void allow_decode_amx(bool allow);
 // the attention weights rounded to bfloat16): as decode_amx_bf16(), turned off on its own.
 bool decode_amx_bf16_values();
 void allow_decode_amx_values(bool allow);
+// Whether the AVX3 target takes a bfloat16 cache's values with bfloat16 dot products on the
+// attention weights rounded to bfloat16 (Bf16Output, in place of widening each value for float32
+// FMAs; passes of whole 32 columns), where AMX does not take them: where the CPU has AVX-512 BF16
+// and runs vdpbf16ps at the FMAs' instruction rate (AMD's Zen 4 and Zen 5, with two products a
+// lane; the Intel Xeons measured run it at a quarter of that rate, where the float pass is
+// faster: docs/benchmarks.md) and bfloat16 dot products are allowed, unless turned off. Tests
+// force it on for other CPUs with AVX-512 BF16, to check it wherever it can run.
+bool decode_bf16_values();
+void allow_decode_bf16_values(bool allow);
+void force_decode_bf16_values(bool force);
 // Whether the AVX3 target's forward takes a bfloat16 block's two products, Q·Kᵀ and P·V, with
 // AMX's tile products (flash_amx-inl.h, in place of widening K and V for the float32 FMA tiles;
 // head dims D % 32 == 0 and Dv % 16 == 0, unit-stride K and V rows): where the CPU has AMX-BF16

@@ -11,12 +11,12 @@
 // the block's online softmax and the output pass over a block: decode_block-inl.h; int8/int4 keys
 // by tiles and bfloat16 keys with dot products: decode_quant-inl.h; int4 and int8 values with
 // dot products: decode_int4_values-inl.h, decode_int8_values-inl.h, and the value scales they
-// read: decode_value_scales-inl.h). This file runs the blocks of
-// a chunk (prefetches, the passes each block takes; its query rows: decode_query-inl.h) and the
-// chunks as tasks. The keys of a (batch, kv head) may be cut into S chunks (S depends on the
-// shape alone, never on threads) that run as separate tasks; their partial (O, m, l) are merged
-// in chunk order through their log-sum-exp (decode_merge-inl.h), so the result has the same bits
-// for any thread count.
+// read: decode_value_scales-inl.h; bfloat16 values with dot products: decode_bf16_values-inl.h).
+// This file runs the blocks of a chunk (prefetches, the passes each block takes; its query rows:
+// decode_query-inl.h) and the chunks as tasks. The keys of a (batch, kv head) may be cut into S
+// chunks (S depends on the shape alone, never on threads) that run as separate tasks; their
+// partial (O, m, l) are merged in chunk order through their log-sum-exp (decode_merge-inl.h), so
+// the result has the same bits for any thread count.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_decode.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -30,6 +30,7 @@
 
 #include "hwy/highway.h"
 #include "kernels/cpu/decode_amx-inl.h"
+#include "kernels/cpu/decode_bf16_values-inl.h"
 #include "kernels/cpu/decode_block-inl.h"
 #include "kernels/cpu/decode_int4_values-inl.h"
 #include "kernels/cpu/decode_int8_values-inl.h"
@@ -74,6 +75,7 @@ using decode::WithTileRows;
 using decode::Int4Output256;
 #endif
 #if MHA_DECODE_DOTS
+using decode::Bf16Output;
 using decode::Int4Output;
 using decode::Int4OutputVnni;
 using decode::PairWeights;
@@ -194,13 +196,19 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   // int4 values with bfloat16 dot products where the CPU has them (Int4Output), unless they are
   // taken on byte weights by VNNI (Int4OutputVnni, below).
   const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots() && !decode_vnni_byte_values();
-  uint32_t* pw = pairs ? ws.get<uint32_t>(Workspace::kDecodeWeightPairs, static_cast<size_t>(R) * block / 2) : nullptr;
+  // bfloat16 values with bfloat16 dot products where AMX does not take them (Bf16Output), on the
+  // same bfloat16 pairs of P.
+  const bool bf16_values = std::is_same_v<Kv, PlainKv<bfloat16>> && !amx_values && decode_bf16_values();
+  uint32_t* pw = pairs || bf16_values
+                     ? ws.get<uint32_t>(Workspace::kDecodeWeightPairs, static_cast<size_t>(R) * block / 2)
+                     : nullptr;
 #endif
   const Kv kv(p, b, hk);
   typename Kv::Row krows[hn::MaxLanes(DF())];
   typename Kv::Row vrows[kBlockVecs<Kv> * hn::MaxLanes(DF()) + 3];
   // Keys not of float are widened or dequantized once per N keys into a stage interleaved by
-  // vector, which every query row reads (StagedScores; on AVX2, GroupedKeyScores: no stage).
+  // vector, which every query row reads (StagedScores; on AVX2 and AVX3, GroupedKeyScores: no
+  // stage).
   constexpr bool kStage = !std::is_same_v<typename Kv::Row, const float*> && !Kv::kKeyTiles && !decode::GroupKeys<Kv>();
   float* kstage = kStage ? ws.get<float>(Workspace::kDecodeKeyStage, N * ldq) : nullptr;
   // int8/int4 values on AVX2: the value pass's weights with the groups' scales folded in
@@ -294,26 +302,26 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
       if constexpr (!Kv::kKeyTiles) {
         for (size_t x = 0; x < N; ++x) krows[x] = kv.key(std::min(first + static_cast<int64_t>(x), j0 + jn - 1));
       }
+#if MHA_DECODE_DOTS
+      if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
+        if (q.bf16) {
+          // Rows with a score that is not finite (an Inf or NaN key, a sum past the float range)
+          // take the float path's scores for these keys: Inf and NaN land where they land there.
+          uint32_t redo = decode::Bf16KeyScores(amx_keys, q.pairs, q.ldb, R, krows, depth, p.scale,
+                                                s + static_cast<int64_t>(kb * N), block, ahead);
+          for (int64_t r = 0; redo != 0; ++r, redo >>= 1) {
+            if (!(redo & 1)) continue;
+            const auto sc = DotScores(d, q.tail, q.rows + r * ldq, kv, krows, depth);
+            hn::Store(sc, d, s + r * block + kb * N);
+          }
+          continue;
+        }
+      }
+#endif
       if constexpr (Kv::kKeyTiles) {
         KeyTileScores<Kv::kCodeBits>(d, q, kv.KeyTile(first / kCacheKeyTile * kCacheKeyTile),
                                      static_cast<size_t>(first % kCacheKeyTile), R, s + kb * N, block, ahead);
       } else if constexpr (kStage) {
-#if MHA_DECODE_DOTS
-        if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
-          if (q.bf16) {
-            // Rows with a score that is not finite (an Inf or NaN key, a sum past the float range)
-            // take the float path's scores for these keys: Inf and NaN land where they land there.
-            uint32_t redo = decode::Bf16KeyScores(amx_keys, q.pairs, q.ldb, R, krows, depth, p.scale,
-                                                  s + static_cast<int64_t>(kb * N), block, ahead);
-            for (int64_t r = 0; redo != 0; ++r, redo >>= 1) {
-              if (!(redo & 1)) continue;
-              const auto sc = DotScores(d, q.tail, q.rows + r * ldq, kv, krows, depth);
-              hn::Store(sc, d, s + r * block + kb * N);
-            }
-            continue;
-          }
-        }
-#endif
         // Widen or dequantize the N keys once into the stage (L1), which every query row reads.
         for (size_t x = 0; x < N; ++x) kv.Stage(d, krows[x], depth, kstage + x * N, N * N);
         for (int64_t r = 0; r < R; ++r) {
@@ -333,11 +341,12 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     // Softcap and ALiBi, mask, then the online softmax of each row.
     decode::BlockSoftmax<kBlockVecs<Kv>>(d, p, b, hk, rows, R, j0, jn, seen, s, m, l, alpha,
                                          int_values ? pmax : nullptr);
-    // The block's value rows, found once for every pass below; quantized (QuantKv), at jn .. jn + 2
-    // the last again: the partners (weighted 0) of the last keys in the passes that take keys by
-    // pairs or by fours.
+    // The block's value rows, found once for every pass below; quantized and bfloat16, at jn ..
+    // jn + 2 the last again: the partners (weighted 0) of the last keys in the passes that take
+    // keys by pairs or by fours.
     for (int64_t j = 0; j < jn; ++j) vrows[j] = kv.value(j0 + j);
-    if constexpr (Kv::kKeyTiles) std::fill(vrows + jn, vrows + jn + 3, vrows[jn - 1]);
+    if constexpr (Kv::kKeyTiles || std::is_same_v<Kv, PlainKv<bfloat16>>)
+      std::fill(vrows + jn, vrows + jn + 3, vrows[jn - 1]);
     // A key of the block that a row does not see (a window's first block, a causal last block of
     // several queries, a sink gap; for key tiles, keys before the first, read from a multiple of
     // N) has P = 0 in that row, and 0 times a non-finite value is NaN. For such blocks the rows'
@@ -349,9 +358,12 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
       if (pairs) PairWeights(s, R, block, pw);  // int4 values with bfloat16 dot products (Int4Output)
     }
+    if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
+      if (bf16_values) PairWeights(s, R, block, pw);
+    }
 #endif
     // The block's values taken on byte or word weights (Int4Output256, Int4OutputVnni,
-    // Int8WordPass) or by AMX tiles (AmxBf16Values), else by the float pass below (values_taken):
+    // Int8WordPass) or by AMX tiles (AmxBf16Values), else by the passes below (values_taken):
     // pass(rt, c0, nc, r0, i) for each pass of kOutVecs vectors of columns
     // from c0 (nc of them) and kTileRows rows from r0 (RT = rt of them), i = g·R + r0 the index
     // of their weights, steps and mins (g = c0 / 32).
@@ -444,6 +456,23 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
               });
             });
             return;
+          }
+        }
+        if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
+          // Whole pairs of vectors; a pass whose sums are not all finite is left to the float pass.
+          if (bf16_values && nc % 32 == 0) {
+            bool done = false;
+            WithRowGroup(rg, [&](auto g) {
+              constexpr size_t RG = decltype(g)::value;
+              WithPassVectors(nc / N, [&](auto nv) {
+                constexpr size_t NV = decltype(nv)::value;
+                if constexpr (NV % 2 == 0) {
+                  done = Bf16Output<RG, NV>(pw + r0 * block / 2, block / 2, vrows, c0, static_cast<size_t>(jn),
+                                            alpha + r0, oc, dvp, ahead);
+                }
+              });
+            });
+            if (done) return;
           }
         }
 #endif
@@ -548,6 +577,8 @@ std::string FlashDecodeName() {
   if (decode_avx512_vnni()) keys = "AVX-512 VNNI";
   if (decode_bf16_dots()) values = bf16_keys = "AVX-512 BF16 dot products";
   if (decode_amx_bf16()) bf16_keys = "AMX tiles (head dims 32, 64, 96, 128; else AVX-512 BF16 dot products)";
+  if (decode_bf16_values())
+    bf16_values = "AVX-512 BF16 dot products on key pairs (passes of 32 columns; else float FMAs)";
   if (decode_amx_bf16_values())
     bf16_values = "AMX tiles (with the keys', up to 8 query rows per kv head, Dv % 32 == 0; else float FMAs)";
   if (decode_vnni_byte_values()) values = "AVX-512 VNNI on byte weights";

@@ -30,6 +30,8 @@ std::atomic<bool> vnni_allowed{true};
 std::atomic<bool> byte_values_allowed{true};
 std::atomic<bool> amx_allowed{true};
 std::atomic<bool> amx_values_allowed{true};
+std::atomic<bool> bf16_values_allowed{true};
+std::atomic<bool> bf16_values_forced{false};
 std::atomic<bool> forward_amx_allowed{true};
 std::atomic<bool> backward_amx_allowed{true};
 std::atomic<size_t> pack_limit{kDefaultBackwardPackLimit};
@@ -45,6 +47,17 @@ bool cpu_has_amx_bf16() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
   return (d >> 24 & 1) != 0 && (d >> 22 & 1) != 0;
+#else
+  return false;
+#endif
+}
+
+// Whether the CPU is AMD's (CPUID leaf 0's vendor string).
+bool cpu_is_amd() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+  return b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "Auth" "enti" "cAMD"
 #else
   return false;
 #endif
@@ -101,6 +114,12 @@ bool decode_amx_bf16() {
 
 bool decode_amx_bf16_values() { return amx_values_allowed.load(std::memory_order_relaxed) && decode_amx_bf16(); }
 
+bool decode_bf16_values() {
+  static const bool fast = cpu_is_amd();
+  return (fast || bf16_values_forced.load(std::memory_order_relaxed)) &&
+         bf16_values_allowed.load(std::memory_order_relaxed) && decode_bf16_dots();
+}
+
 bool forward_amx_bf16() {
   return forward_amx_allowed.load(std::memory_order_relaxed) && decode_bf16_dots() && amx_bf16_granted();
 }
@@ -133,6 +152,10 @@ void allow_decode_byte_values(bool allow) { byte_values_allowed.store(allow, std
 void allow_decode_amx(bool allow) { amx_allowed.store(allow, std::memory_order_relaxed); }
 
 void allow_decode_amx_values(bool allow) { amx_values_allowed.store(allow, std::memory_order_relaxed); }
+
+void allow_decode_bf16_values(bool allow) { bf16_values_allowed.store(allow, std::memory_order_relaxed); }
+
+void force_decode_bf16_values(bool force) { bf16_values_forced.store(force, std::memory_order_relaxed); }
 
 void allow_forward_amx(bool allow) { forward_amx_allowed.store(allow, std::memory_order_relaxed); }
 

@@ -93,28 +93,41 @@ HWY_INLINE void Transpose(D d, const float* const* rows, size_t ncols, float* HW
 #endif
 }
 
+#if HWY_TARGET == HWY_AVX3
+// SumLanesOfEach on AVX-512 in two halves, for callers that hold four accumulators at a time:
+// SumLanesOfFour takes acc[0..3] (accumulators 4g .. 4g + 3) to a vector whose lane k of each
+// 128-bit block holds accumulator 4g + k's sum over that block (the tree's levels 1 and 2);
+// JoinFours takes the four such vectors (g = 0 .. 3) to the 16 sums, accumulator x in lane x
+// (levels 3 and 4). Together they are SumLanesOfEach: the same operations in the same order.
+HWY_INLINE __m512 SumLanesOfFour(const __m512* acc) {
+  // Level 1: per 128-bit block, [a0+a2, b0+b2, a1+a3, b1+b3] of a pair (a, b).
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+  // Level 2: per block, lane k holds accumulator k's partial sum over that block.
+  const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+HWY_INLINE __m512 JoinFours(const __m512* u) {
+  // Levels 3 and 4: sum the four blocks, accumulator group g into block g.
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+#endif
+
 // Lane x of the result is the sum of the lanes of acc[x] (x < N): N horizontal sums by a
 // reduction tree (AVX-512: 45 operations for 16 sums instead of a transpose and 15 adds).
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V SumLanesOfEach(D d, const V* acc) {
 #if HWY_TARGET == HWY_AVX3
-  // Level 1: per 128-bit block, [a0+a2, b0+b2, a1+a3, b1+b3] of a pair (a, b).
-  __m512 t[8];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 a = acc[2 * i].raw, b = acc[2 * i + 1].raw;
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  // Level 2: per block, lane k holds accumulator 4g + k's partial sum over that block.
   __m512 u[4];
   for (int g = 0; g < 4; ++g) {
-    const __m512d a = _mm512_castps_pd(t[2 * g]), b = _mm512_castps_pd(t[2 * g + 1]);
-    u[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    const __m512 four[4] = {acc[4 * g].raw, acc[4 * g + 1].raw, acc[4 * g + 2].raw, acc[4 * g + 3].raw};
+    u[g] = SumLanesOfFour(four);
   }
-  // Levels 3 and 4: sum the four blocks, accumulator group g into block g.
-  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
   (void)d;
-  return V{_mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD))};
+  return V{JoinFours(u)};
 #elif HWY_TARGET == HWY_AVX2
   __m256 t[4];
   for (int i = 0; i < 4; ++i) {
