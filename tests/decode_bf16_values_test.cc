@@ -122,7 +122,7 @@ class DecodeBf16Values : public ::testing::TestWithParam<Pass> {
       GTEST_SKIP() << (GetParam() == Pass::kAmx ? "this CPU has no AMX-BF16 tiles" : "this CPU has no AVX-512 BF16")
                    << ": the float pass alone runs";
   }
-  const RestoreKernelSwitches restore_;
+  RestoreKernelSwitches restore_;  // puts the switches back after each test
 };
 
 TEST_P(DecodeBf16Values, StayWithinTheBoundOfTheFloatPass) {
