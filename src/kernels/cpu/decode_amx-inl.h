@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/amx_config.h"
@@ -123,12 +122,11 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",amx-tile,amx-bf16"))) inline uint32_
   // then per row two permutes (keys 0-7, 8-15) and a shuffle; more rows: a gather per row. With
   // gathers at 4 rows the cache-resident bfloat16 step took ~4% longer (docs/benchmarks.md).
   const __m512 sc = _mm512_set1_ps(scale);
-  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   uint32_t bad = 0;
   const auto put = [&](int64_t r, __m512 scores) {
     const __m512 row = _mm512_mul_ps(scores, sc);
     _mm512_storeu_ps(s + r * static_cast<int64_t>(lds), row);
-    if (_mm512_cmp_ps_mask(_mm512_abs_ps(row), inf, _CMP_NLT_UQ) != 0) bad |= uint32_t{1} << r;
+    if (NotFinite(row) != 0) bad |= uint32_t{1} << r;
   };
   if (R <= 4) {
     __m512 quad[4];  // keys 4k .. 4k + 3
@@ -270,11 +268,9 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16,amx-tile,amx-bf16"))) inl
     if (two) _tile_stored(5, sums + (c + 1) * 256, 64);
   }
   asm volatile("" : : "r"(sums) : "memory");  // as in AmxTiles: the loads below read what it wrote
-  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (size_t c = 0; c < chunks; ++c)
     for (size_t r = 0; r < 2 * rows; ++r)
-      if (_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_load_ps(sums + c * 256 + 16 * r)), inf, _CMP_NLT_UQ) != 0)
-        return false;
+      if (NotFinite(_mm512_load_ps(sums + c * 256 + 16 * r)) != 0) return false;
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (size_t r = 0; r < rows; ++r) {

@@ -14,9 +14,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 
 #include "hwy/highway.h"
+#include "kernels/cpu/decode_block-inl.h"
 #include "kernels/cpu/decode_kv-inl.h"
 #include "kernels/cpu/prefetch.h"
 #include "mha/half.h"
@@ -74,10 +74,9 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) bool Bf16Output(const
       for (size_t c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x[c], p);
     }
   }
-  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   __mmask16 bad = 0;
   for (size_t r = 0; r < RG; ++r)
-    for (size_t c = 0; c < NV; ++c) bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(acc[r][c]), inf, _CMP_NLT_UQ);
+    for (size_t c = 0; c < NV; ++c) bad |= NotFinite(acc[r][c]);
   if (bad != 0) return false;
   // Columns 0-15 of 32: 128-bit lanes 0 and 1 of the low sums (0-3, 8-11) and of the high (4-7, 12-15).
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -93,6 +92,31 @@ __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16"))) bool Bf16Output(const
     }
   }
   return true;
+}
+
+// Whether a value pass over Dv columns (passes of kOutVecs vectors, DecodeOutputCols's) has a
+// multiple of 32 columns, which Bf16OutputCols takes: if none has, PairWeights is not needed.
+inline bool Bf16Passes(size_t Dv) {
+  static_assert(kOutVecs * 16 % 32 == 0, "a whole pass is a multiple of 32 columns");
+  return Dv >= kOutVecs * 16 || Dv % 32 == 0;
+}
+
+// Bf16Output for the rg rows of a pass (ForRowGroups's) of nc columns from c0 (DecodeOutputCols's):
+// true if it took them; false, O unchanged, where nc is not a multiple of 32 or a sum is not
+// finite, and the float pass then takes them.
+inline bool Bf16OutputCols(size_t rg, const uint32_t* pw, size_t ldw, const bfloat16* const* vrows, size_t c0,
+                           size_t nc, size_t jn, const float* alpha, float* o, size_t ldo, LineStream& ahead) {
+  if (nc % 32 != 0) return false;
+  bool done = false;
+  WithRowGroup(rg, [&](auto g) {
+    WithPassVectors(nc / 16, [&](auto nv) {
+      constexpr size_t NV = decltype(nv)::value;
+      if constexpr (NV % 2 == 0) {
+        done = Bf16Output<decltype(g)::value, NV>(pw, ldw, vrows, c0, jn, alpha, o, ldo, ahead);
+      }
+    });
+  });
+  return done;
 }
 #endif  // HWY_TARGET == HWY_AVX3
 

@@ -45,6 +45,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr uint64_t kFloatWork = 4, kAvx2IntWork = 2, kVnniWork = 1, kInt4VnniValueWork = 4, kInt8VnniValueWork = 2;
 constexpr float kLog2e = 1.4426950408889634f;
 
+#if HWY_TARGET == HWY_AVX3
+// The lanes of x that are not finite (|x| >= inf, or unordered: NaN).
+HWY_INLINE __mmask16 NotFinite(__m512 x) {
+  return _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ);
+}
+#endif
+
 // Element offset of key/value row j of one (batch, kv head) plane: j · row, or through the block
 // table of a paged pool (page stride `page`).
 struct RowOffset {

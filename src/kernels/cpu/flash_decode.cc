@@ -75,7 +75,7 @@ using decode::WithTileRows;
 using decode::Int4Output256;
 #endif
 #if MHA_DECODE_DOTS
-using decode::Bf16Output;
+using decode::Bf16OutputCols;
 using decode::Int4Output;
 using decode::Int4OutputVnni;
 using decode::PairWeights;
@@ -198,7 +198,8 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
   const bool pairs = std::is_same_v<Kv, QuantKv<4>> && decode_bf16_dots() && !decode_vnni_byte_values();
   // bfloat16 values with bfloat16 dot products where AMX does not take them (Bf16Output), on the
   // same bfloat16 pairs of P.
-  const bool bf16_values = std::is_same_v<Kv, PlainKv<bfloat16>> && !amx_values && decode_bf16_values();
+  const bool bf16_values =
+      std::is_same_v<Kv, PlainKv<bfloat16>> && !amx_values && decode::Bf16Passes(Dv) && decode_bf16_values();
   uint32_t* pw = pairs || bf16_values
                      ? ws.get<uint32_t>(Workspace::kDecodeWeightPairs, static_cast<size_t>(R) * block / 2)
                      : nullptr;
@@ -459,20 +460,9 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
           }
         }
         if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
-          // Whole pairs of vectors; a pass whose sums are not all finite is left to the float pass.
-          if (bf16_values && nc % 32 == 0) {
-            bool done = false;
-            WithRowGroup(rg, [&](auto g) {
-              constexpr size_t RG = decltype(g)::value;
-              WithPassVectors(nc / N, [&](auto nv) {
-                constexpr size_t NV = decltype(nv)::value;
-                if constexpr (NV % 2 == 0) {
-                  done = Bf16Output<RG, NV>(pw + r0 * block / 2, block / 2, vrows, c0, static_cast<size_t>(jn),
-                                            alpha + r0, oc, dvp, ahead);
-                }
-              });
-            });
-            if (done) return;
+          if (bf16_values && Bf16OutputCols(rg, pw + r0 * block / 2, block / 2, vrows, c0, nc, static_cast<size_t>(jn),
+                                            alpha + r0, oc, dvp, ahead)) {
+            return;
           }
         }
 #endif
