@@ -127,7 +127,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         m = A.check_int(m, f"{_NAME}: {name}", 0, 2**63 - 1)
         longest = int((cu[1:] - cu[:-1]).max()) if cu.shape[0] > 1 else 0
         if longest > m:
-            raise Error(f"{_NAME}: {name} = {m} but a sequence has {longest} rows")
+            rows = "row" if longest == 1 else "rows"
+            raise Error(f"{_NAME}: {name} = {m} but a sequence has {longest} {rows}")
     if dropout_seed is not None:
         seed = A.check_int(dropout_seed, f"{_NAME}: dropout_seed", 0, 2**64 - 1)
     else:

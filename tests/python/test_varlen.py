@@ -87,6 +87,9 @@ def test_bad_arguments_are_errors():
         mha.varlen_attention(q, k, v, cu_q, torch.tensor([0, 4, 7]), 9, 9)
     with pytest.raises(mha.Error, match="max_seqlen_q = 2 but a sequence has 3 rows"):
         mha.varlen_attention(q, k, v, cu_q, cu_k, 2, 4)
+    q1, k1, v1, cu_q1, cu_k1 = packed([1], [1], Hq=2, Hkv=1, D=8, Dv=8)
+    with pytest.raises(mha.Error, match="max_seqlen_k = 0 but a sequence has 1 row$"):
+        mha.varlen_attention(q1, k1, v1, cu_q1, cu_k1, 1, 0)
     with pytest.raises(mha.Error, match="int32 or int64"):
         mha.varlen_attention(q, k, v, cu_q.float(), cu_k, 3, 4)
     with pytest.raises(mha.Error, match=r"window_size=\(left, 0\) with causal=True"):
