@@ -4,8 +4,9 @@
 // CPU has VNNI and VBMI: decode_vnni_byte_values()), else with bfloat16 dot products on P rounded
 // by PairWeights (decode_bf16_values-inl.h; Int4Output, AVX3 target where the CPU has AVX-512
 // BF16). The float pass (DecodeOutput) dequantizes every value in registers; these take two or
-// four keys' products per lane and instruction: docs/ARCHITECTURE.md. The AVX-512 ones are intrinsics in functions
-// compiled for those features on top of the AVX3 target's flags, as decode_quant-inl.h's are.
+// four keys' products per lane and instruction: docs/ARCHITECTURE.md. The AVX-512 ones are
+// intrinsics in functions compiled for those features on top of the AVX3 target's flags, as
+// decode_quant-inl.h's are.
 // MHA_DECODE_BYTE_VALUES says whether this target has ByteValueWeights.
 #if defined(MHA_KERNELS_CPU_DECODE_INT4_VALUES_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_CPU_DECODE_INT4_VALUES_INL_H_

@@ -63,7 +63,7 @@ bool decode_amx_bf16_values();
 void allow_decode_amx_values(bool allow);
 // Whether the AVX3 target takes a bfloat16 cache's values with bfloat16 dot products on the
 // attention weights rounded to bfloat16 (Bf16Output, in place of widening each value for float32
-// FMAs; passes of whole 32 columns), where AMX does not take them: where the CPU has AVX-512 BF16
+// FMAs; value passes of 64 or 32 columns), where AMX does not take them: where the CPU has AVX-512 BF16
 // and runs vdpbf16ps at the FMAs' instruction rate (AMD's Zen 4 and Zen 5, with two products a
 // lane; the Intel Xeons measured run it at a quarter of that rate, where the float pass is
 // faster: docs/benchmarks.md) and bfloat16 dot products are allowed, unless turned off. Tests

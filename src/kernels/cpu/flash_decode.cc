@@ -356,12 +356,7 @@ void DecodeChunk(const AttentionParams& p, int64_t b, int64_t hk, int64_t k0, in
     for (int64_t r = 0; r < R && !partial; ++r) partial = !seen[r].covers(j0, j0 + jn);
     if (partial) std::copy(o, o + R * static_cast<int64_t>(dvp), saved);
 #if MHA_DECODE_DOTS
-    if constexpr (std::is_same_v<Kv, QuantKv<4>>) {
-      if (pairs) PairWeights(s, R, block, pw);  // int4 values with bfloat16 dot products (Int4Output)
-    }
-    if constexpr (std::is_same_v<Kv, PlainKv<bfloat16>>) {
-      if (bf16_values) PairWeights(s, R, block, pw);
-    }
+    if (pw != nullptr) PairWeights(s, R, block, pw);  // for Int4Output or Bf16OutputCols
 #endif
     // The block's values taken on byte or word weights (Int4Output256, Int4OutputVnni,
     // Int8WordPass) or by AMX tiles (AmxBf16Values), else by the passes below (values_taken):
@@ -568,7 +563,7 @@ std::string FlashDecodeName() {
   if (decode_bf16_dots()) values = bf16_keys = "AVX-512 BF16 dot products";
   if (decode_amx_bf16()) bf16_keys = "AMX tiles (head dims 32, 64, 96, 128; else AVX-512 BF16 dot products)";
   if (decode_bf16_values())
-    bf16_values = "AVX-512 BF16 dot products on key pairs (passes of 32 columns; else float FMAs)";
+    bf16_values = "AVX-512 BF16 dot products on key pairs (passes of 64 or 32 columns; else float FMAs)";
   if (decode_amx_bf16_values())
     bf16_values = "AMX tiles (with the keys', up to 8 query rows per kv head, Dv % 32 == 0; else float FMAs)";
   if (decode_vnni_byte_values()) values = "AVX-512 VNNI on byte weights";
