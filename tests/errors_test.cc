@@ -73,6 +73,20 @@ TEST(AttentionErrors, Masks) {
   b.in.attn_bias = bias.view<float>();
   expect_error([&] { b.run(); }, {"bias", "(3, 1, 1, 6)", "broadcast"});
   b.in.attn_bias = {};
+  {  // Against one key a mask's last dimension may only be 1: the message says so, not "1 or 1".
+    Buffers one({2, 4, 5, 8}, {2, 2, 1, 8}, {2, 2, 1, 3});
+    Tensor wide(DType::kF32, {5, 2});
+    one.in.attn_bias = wide.view<float>();
+    expect_error([&] { one.run(); }, {"attn_bias of shape (5, 2)", "(2, 4, 5, 1)", "dimension 1 is 2, expected 1"});
+    try {
+      one.run();
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find("or 1"), std::string::npos) << e.what();
+    }
+    Tensor tall(DType::kF32, {3, 1});
+    one.in.attn_bias = tall.view<float>();
+    expect_error([&] { one.run(); }, {"dimension 0 is 3, expected 5 or 1"});
+  }
   Tensor len(DType::kI64, {3});
   b.in.key_lengths = len.view<int64_t>();
   expect_error([&] { b.run(); }, {"key_lengths", "(2,)", "(3,)"});

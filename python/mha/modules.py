@@ -301,6 +301,7 @@ class MultiheadAttention:
         bias = None
         kpm = None
         if attn_mask is not None:
+            mask_shape = tuple(attn_mask.shape)
             if attn_mask.ndim == 3:
                 if attn_mask.shape[0] != N * H:
                     raise Error(f"MultiheadAttention: a 3-D attn_mask must be (N * num_heads, L, S) = ({N * H}, {L}, "
@@ -309,6 +310,9 @@ class MultiheadAttention:
             elif attn_mask.ndim != 2:
                 raise Error(f"MultiheadAttention: attn_mask must be (L, S) or (N * num_heads, L, S); got "
                             f"{tuple(attn_mask.shape)}")
+            if mask_shape[-2:] != (L, S):
+                raise Error(f"MultiheadAttention: attn_mask must be (L, S) = ({L}, {S}) or (N * num_heads, L, S) = "
+                            f"({N * H}, {L}, {S}); got {mask_shape}")
             if A.is_bool(attn_mask):
                 blocked_free = A.logical_not(attn_mask)  # torch: True = not allowed
                 keep = blocked_free if keep is None else _and(keep, blocked_free)

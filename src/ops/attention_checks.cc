@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -90,8 +91,9 @@ Strides4 broadcast_strides(const View<T>& mask, const int64_t (&target)[4], cons
     const int64_t have = mask.shape[i];
     MHA_CHECK(have == want || have == 1,
               "attention: {} of shape {} does not broadcast to (B, Hq, Tq, Tk) = {}: dimension {} is "
-              "{}, expected {} or 1",
-              name, shape_string(mask), shape_string(target, 4), i, have, want);
+              "{}, expected {}",
+              name, shape_string(mask), shape_string(target, 4), i, have,
+              want == 1 ? std::string("1") : fmt::format("{} or 1", want));
     s[shift + i] = have == 1 ? 0 : mask.stride[i];
   }
   return s;

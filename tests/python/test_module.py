@@ -308,6 +308,13 @@ def test_unsupported_options_and_bad_inputs_are_errors():
         m(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
     with pytest.raises(mha.Error, match="attn_mask"):
         m(x, x, x, attn_mask=torch.zeros(3, 5, 5, dtype=torch.bool))
+    # A mask whose (L, S) is not the call's, bool or float, 2-D or 3-D: named as the caller's
+    # attn_mask with the shapes it must have (not as the attention layer's keep mask or bias).
+    k4 = torch.randn(2, 4, 16)
+    for mask in (torch.zeros(5, 5, dtype=torch.bool), torch.zeros(5, 3), torch.zeros(4, 4, 4)):
+        with pytest.raises(mha.Error, match=r"attn_mask must be \(L, S\) = \(5, 4\) or \(N \* num_heads, L, S\) = "
+                                            r"\(4, 5, 4\); got \(" + ", ".join(map(str, mask.shape)) + r"\)"):
+            m(x, k4, k4, attn_mask=mask)
 
 
 @pytest.mark.parametrize("order", ["torch first", "mha first"])

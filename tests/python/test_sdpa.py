@@ -194,6 +194,23 @@ def test_errors_name_the_argument(rng, bad, message):
     assert issubclass(mha.Error, ValueError)
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_mask_that_does_not_broadcast_is_named_as_passed(rng, kind):
+    q, k = normal(rng, (1, 2, 4, 8)), normal(rng, (1, 2, 1, 8))
+    if kind == "torch":
+        q, k = torch.from_numpy(q), torch.from_numpy(k)
+    mask = np.zeros((4, 2), np.float32), np.zeros((3, 1), bool)
+    if kind == "torch":
+        mask = tuple(torch.from_numpy(m) for m in mask)
+    # The caller's name and shape (not the kernel's 4-D attn_bias / keep_mask); against a single
+    # key the mask's last dimension may only be 1.
+    with pytest.raises(mha.Error, match=r"^scaled_dot_product_attention: attn_mask \(4, 2\) does not broadcast to the "
+                                        r"scores \(1, 2, 4, 1\): dimension 1 is 2, expected 1$"):
+        mha.scaled_dot_product_attention(q, k, k, attn_mask=mask[0])
+    with pytest.raises(mha.Error, match=r"attn_mask \(3, 1\) .*: dimension 0 is 3, expected 4 or 1$"):
+        mha.scaled_dot_product_attention(q, k, k, attn_mask=mask[1])
+
+
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("mask", ["none", "bool", "float"])
 def test_the_small_call_path_agrees_with_the_general_one(rng, monkeypatch, kind, mask):
