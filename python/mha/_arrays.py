@@ -110,6 +110,20 @@ def check_attention_dtype(x, name):
     return str(x.dtype)
 
 
+def check_broadcasts_to(x, scores, name):
+    """x (a mask or bias) broadcasts to the scores' shape: no more dimensions, and each of its
+    dimensions, aligned from the last, equal to the scores' or 1. Else an Error naming x, its
+    shape as given and the first dimension that does not fit."""
+    shape = tuple(x.shape)
+    if len(shape) > len(scores):
+        raise Error(f"{name} {shape} has more dimensions than the scores {scores}")
+    for i, have in enumerate(shape):
+        want = scores[len(scores) - len(shape) + i]
+        if have != want and have != 1:
+            raise Error(f"{name} {shape} does not broadcast to the scores {scores}: dimension {i} is {have}, "
+                        f"expected {want if want == 1 else f'{want} or 1'}")
+
+
 def to_float32(x):
     """A float32 copy of a 16-bit floating array (attention biases are float32 for every dtype)."""
     if is_torch(x):

@@ -114,17 +114,8 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_
         A.check_array(attn_mask, "scaled_dot_product_attention: attn_mask")
         if A.is_torch(attn_mask) != A.is_torch(query):
             raise Error("scaled_dot_product_attention: attn_mask must be the same kind (torch/numpy) as query")
-        scores = tuple(lead) + (Hq, L, S)
-        score_rank = len(scores)
-        if attn_mask.ndim > score_rank:
-            raise Error(f"scaled_dot_product_attention: attn_mask {tuple(attn_mask.shape)} has more dimensions "
-                        f"than the scores {scores}")
-        for i, have in enumerate(attn_mask.shape):
-            want = scores[score_rank - attn_mask.ndim + i]
-            if have != want and have != 1:
-                raise Error(f"scaled_dot_product_attention: attn_mask {tuple(attn_mask.shape)} does not broadcast to "
-                            f"the scores {scores}: dimension {i} is {have}, expected "
-                            f"{want if want == 1 else f'{want} or 1'}")
+        score_rank = len(lead) + 3
+        A.check_broadcasts_to(attn_mask, tuple(lead) + (Hq, L, S), "scaled_dot_product_attention: attn_mask")
         m = A.reshape(attn_mask, (1,) * (score_rank - attn_mask.ndim) + tuple(attn_mask.shape))
         if len(lead) > 1:
             m = A.reshape(A.expand(m, tuple(lead) + tuple(m.shape[len(lead):])), (p.N,) + tuple(m.shape[len(lead):]))

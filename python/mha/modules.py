@@ -305,11 +305,11 @@ class MultiheadAttention:
             if attn_mask.ndim == 3:
                 if attn_mask.shape[0] != N * H:
                     raise Error(f"MultiheadAttention: a 3-D attn_mask must be (N * num_heads, L, S) = ({N * H}, {L}, "
-                                f"{S}); got {tuple(attn_mask.shape)}")
+                                f"{S}); got {mask_shape}")
                 attn_mask = A.reshape(attn_mask, (N, H) + tuple(attn_mask.shape[1:]))
             elif attn_mask.ndim != 2:
                 raise Error(f"MultiheadAttention: attn_mask must be (L, S) or (N * num_heads, L, S); got "
-                            f"{tuple(attn_mask.shape)}")
+                            f"{mask_shape}")
             if mask_shape[-2:] != (L, S):
                 raise Error(f"MultiheadAttention: attn_mask must be (L, S) = ({L}, {S}) or (N * num_heads, L, S) = "
                             f"({N * H}, {L}, {S}); got {mask_shape}")

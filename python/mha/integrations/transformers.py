@@ -149,9 +149,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                         f"{position_bias.dtype}")
         scores = (query.shape[0], query.shape[1], Tq, Tk)
         for name, x in (("attention_mask", mask), ("position_bias", position_bias)):
-            if x is not None and any(n != 1 and n != m for n, m in zip(x.shape[::-1], scores[::-1])):
-                raise Error(f"{_NAME}: {name} {tuple(x.shape)} does not broadcast to the scores (B, Hq, Tq, Tk) "
-                            f"= {scores}")
+            if x is not None:
+                A.check_broadcasts_to(x, scores, f"{_NAME}: {name}")
         # T5's bias is a permuted embedding, keys H apart: scaled_dot_product_attention copies
         # such a mask once to dense key rows (A.keys_dense).
         if mask is None:
